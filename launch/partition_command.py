@@ -1,0 +1,180 @@
+"""`shardzero partition MODEL --mesh ... --tactics ...`: apply a manual strategy and show it."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from launch import report
+
+HELP = "partition a model with a tactic schedule; show shardings and collectives"
+
+DESCRIPTION = """\
+Trace MODEL's training step, apply a schedule of tactics over a device mesh, and print the
+per-input shardings, the collectives the partitioner inserted, any ops that fell back to
+replication, and conflicts between tactics. --verify runs the explicit shard_map program and
+the jax.jit program on local devices against the unpartitioned program.
+
+MODEL is a corpus entry (mlp:small, gpt:small, gpt:layers=24,d_model=2048) or
+package.module:function / path/to/file.py:function returning (fn, example_args).
+
+Tactics (separated by ';'):
+  BatchParallel(AXIS)            split the batch inputs over AXIS
+  Megatron(AXIS)                 tensor-parallel MLPs (column/row) and attention heads
+  ZeRO(AXIS, stage=1|2|3)        shard optimizer state / gradients / parameters over AXIS
+  EmbeddingSharding(AXIS)        split embedding tables along the vocabulary
+  Tile(PATTERN, DIM, AXIS)       tile matching inputs (globs: params/**/w_in/w)
+  Replicate(PATTERN[, AXES])     keep matching inputs replicated
+"""
+
+EXAMPLES = """\
+examples:
+  shardzero partition gpt:small --mesh batch=2,model=4 \\
+      --tactics "BatchParallel(batch); Megatron(model)" --verify
+  shardzero partition mlp:small --mesh batch=8 --tactics "ZeRO(batch, stage=3)" --json -
+"""
+
+
+def add_parser(sub) -> None:
+  p = sub.add_parser("partition", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("model", help="corpus name or module:function / path.py:function")
+  p.add_argument("--mesh", required=True, help="named mesh axes, e.g. batch=4,model=2")
+  p.add_argument("--tactics", required=True, help="tactic schedule, e.g. "
+                 "'BatchParallel(batch); Megatron(model); ZeRO(batch, stage=3)'")
+  p.add_argument("--verify", action="store_true",
+                 help="run both lowerings on local devices and compare with the unpartitioned "
+                      "program")
+  p.add_argument("--xla", action="store_true",
+                 help="also compile the jax.jit program and list XLA's collectives beside the "
+                      "partitioner's")
+  p.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-': stdout, "
+                 "instead of the tables)")
+  p.add_argument("--all", action="store_true",
+                 help="list every input and conflict instead of folding repeated layers")
+  p.set_defaults(run=run, host_devices=lambda: _mesh_size(p))
+
+
+def _mesh_size(parser) -> int:
+  import sys
+  from partitioner.mesh import Mesh
+  argv = sys.argv
+  for i, a in enumerate(argv):
+    text = argv[i + 1] if a == "--mesh" and i + 1 < len(argv) else (
+        a.split("=", 1)[1] if a.startswith("--mesh=") else None)
+    if text:
+      try:
+        return Mesh.parse(text).device_count
+      except Exception:
+        return 8
+  return 8
+
+
+def run(args) -> int:
+  import corpus
+  import partitioner
+  from partitioner.partition import as_mesh
+
+  mesh = as_mesh(args.mesh)
+  schedule = partitioner.parse_schedule(args.tactics)
+  t0 = time.perf_counter()
+  workload = corpus.load(args.model)
+  t1 = time.perf_counter()
+  program = partitioner.trace(workload.fn, *workload.args)
+  t2 = time.perf_counter()
+  pp = partitioner.apply(program, mesh, schedule)
+  plan = pp.plan
+  t3 = time.perf_counter()
+  result = {"model": args.model, **pp.summary(),
+            "timing_s": {"build": t1 - t0, "trace": t2 - t1, "partition": t3 - t2}}
+  verification = None
+  if args.verify:
+    from partitioner.verify import verify
+    verification = verify(pp, workload.args)
+    result.update(verified=verification.ok, max_abs_err=verification.max_abs_err,
+                  errors=verification.errors)
+  xla = None
+  if args.xla:
+    from partitioner.hlo import hlo_collectives
+    text = pp.jit().lower(*workload.args).compile().as_text()
+    xla = hlo_collectives(text, pp.mesh)
+    result["xla_collectives"] = [c._asdict() for c in xla]
+  if args.json:
+    report.write_json(result, args.json)
+    if args.json == "-":
+      return 0 if verification is None or verification.ok else 1
+  _print(args, pp, result, verification, xla)
+  return 0 if verification is None or verification.ok else 1
+
+
+def _side_by_side(pp, xla):
+  """Rows (kind, axes, plan count, plan bytes, XLA count, XLA bytes) for every pair seen."""
+  rows: dict = {}
+  for c in pp.collectives:
+    r = rows.setdefault((c.kind, c.axes), [0, 0, 0, 0])
+    r[0] += 1
+    r[1] += c.bytes
+  for c in xla:
+    if not c.from_constant:
+      r = rows.setdefault((c.kind, c.axes), [0, 0, 0, 0])
+      r[2] += c.count
+      r[3] += c.bytes
+  return [(k, "+".join(a), p, report.human_bytes(pb), x, report.human_bytes(xb))
+          for (k, a), (p, pb, x, xb) in sorted(rows.items())]
+
+
+def _print(args, pp, result, verification, xla) -> None:
+  from partitioner.collectives import summarize
+  out = report.console()
+  p = pp.program
+  out.print(f"[bold]{args.model}[/bold]: {p.num_ops} ops, {len(p.inputs)} inputs; "
+            f"mesh {pp.mesh} ({pp.mesh.device_count} devices)")
+  out.print(f"strategy: {pp.strategy}")
+  for r in pp.reports:
+    out.print(f"  {r.tactic}: {len(r.targets)} values tiled, {r.visits} op visits"
+              + "".join(f"\n    note: {n}" for n in r.notes))
+  rows = [(n, tuple(p.values[v].shape), str(pp.state.sharding(v)))
+          for v, n in zip(p.inputs, p.input_names)]
+  grouped = [(n, s, sh, 1) for n, s, sh in rows] if args.all else report.group_rows(rows)
+  out.print()
+  out.print(report.table("input shardings", ["input", "shape", "sharding", "count"],
+                         [(n, "x".join(map(str, s)) or "scalar", sh, c if c > 1 else "")
+                          for n, s, sh, c in grouped]))
+  out.print()
+  groups = summarize(pp.collectives)
+  if groups:
+    out.print(report.table("collectives per device", ["kind", "axes", "count", "bytes"],
+                           [(g["kind"], "+".join(g["axes"]), g["count"],
+                             report.human_bytes(g["bytes"])) for g in groups],
+                           justify={2: "right", 3: "right"}))
+  else:
+    out.print("collectives: none")
+  if xla is not None:
+    out.print()
+    out.print(report.table("collectives: partitioner vs XLA (jax.jit)",
+                           ["kind", "axes", "plan", "plan bytes", "XLA", "XLA bytes"],
+                           _side_by_side(pp, xla),
+                           justify={2: "right", 3: "right", 4: "right", 5: "right"}))
+    constant = sum(c.bytes for c in xla if c.from_constant)
+    if constant:
+      out.print(f"  (XLA also moves {report.human_bytes(constant)} of broadcast constants, "
+                "which carry no data; not listed)")
+  if pp.fallbacks:
+    out.print()
+    out.print(report.table("ops that run replicated (no sharding rule)", ["op", "primitive", "why"],
+                           [(f"#{i}", p.ops[i].name, r) for i, r in pp.fallbacks.items()]))
+  if pp.conflicts:
+    shown = pp.conflicts if args.all else pp.conflicts[:5]
+    out.print(f"\n{len(pp.conflicts)} conflicts resolved by resharding"
+              + ("" if args.all or len(pp.conflicts) <= 5 else " (first 5; --all for every one)")
+              + ":")
+    for c in shown:
+      out.print(f"  {c}")
+  t = result["timing_s"]
+  out.print(f"\ntrace {t['trace']*1e3:.0f} ms, partition {t['partition']*1e3:.0f} ms")
+  if verification is not None:
+    status = "[green]OK[/green]" if verification.ok else "[red]MISMATCH[/red]"
+    errs = ", ".join(f"{k} {v:.2e}" for k, v in verification.errors.items())
+    out.print(f"verify: {status} (max abs error {errs}; rtol {verification.rtol}, "
+              f"atol {verification.atol}" + (f"; worst output {verification.worst}"
+                                             if not verification.ok else "") + ")")

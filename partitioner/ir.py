@@ -1,0 +1,235 @@
+"""The partitioning IR: SSA values with shapes, primitive ops in program order, named inputs.
+
+It is a flat view of a jaxpr: nested calls are inlined by `tracing.trace`, region ops (scan,
+while, cond) keep their bodies in `Op.params`. Ops hold the original primitive and parameters,
+so the IR can always be evaluated and re-emitted as JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from partitioner.errors import PatternError
+
+
+class Value:
+  """A tensor: shape, dtype, a name for inputs and outputs, its producer, or constant data."""
+
+  __slots__ = ("id", "shape", "dtype", "name", "producer", "const")
+
+  def __init__(self, id: int, shape: tuple[int, ...], dtype, name: str | None = None,
+               producer: int | None = None, const: Any = None):
+    self.id = id
+    self.shape = tuple(int(d) for d in shape)
+    self.dtype = np.dtype(dtype)
+    self.name = name
+    self.producer = producer
+    self.const = const
+
+  @property
+  def rank(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * self.dtype.itemsize
+
+  @property
+  def is_const(self) -> bool:
+    return self.const is not None
+
+  def __repr__(self) -> str:
+    return f"Value(%{self.id}, {self.dtype.name}{list(self.shape)}, {self.name!r})"
+
+
+class Op:
+  """One primitive application: `outputs = primitive.bind(*inputs, **params)`."""
+
+  __slots__ = ("index", "primitive", "inputs", "outputs", "params", "name_stack")
+
+  def __init__(self, index: int, primitive, inputs: tuple[int, ...], outputs: tuple[int, ...],
+               params: dict, name_stack=None):
+    self.index = index
+    self.primitive = primitive
+    self.inputs = inputs
+    self.outputs = outputs
+    self.params = params
+    self.name_stack = name_stack
+
+  @property
+  def name(self) -> str:
+    return self.primitive.name
+
+  @property
+  def scope(self) -> str:
+    return str(self.name_stack) if self.name_stack is not None else ""
+
+  def __repr__(self) -> str:
+    return f"Op#{self.index}({self.name}, in={list(self.inputs)}, out={list(self.outputs)})"
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+  """`*` matches within one path segment, `**` across segments, `?` one character."""
+  out, i = [], 0
+  while i < len(pattern):
+    if pattern.startswith("**", i):
+      out.append(".*")
+      i += 2
+      if i < len(pattern) and pattern[i] == "/":
+        out[-1] = "(?:.*/)?"
+        i += 1
+    elif pattern[i] == "*":
+      out.append("[^/]*")
+      i += 1
+    elif pattern[i] == "?":
+      out.append("[^/]")
+      i += 1
+    else:
+      out.append(re.escape(pattern[i]))
+      i += 1
+  return re.compile("".join(out) + r"\Z")
+
+
+class Program:
+  """A traced function: values, ops in program order, named inputs and outputs."""
+
+  def __init__(self, values: list[Value], ops: list[Op], inputs: Sequence[int],
+               input_names: Sequence[str], outputs: Sequence[int], output_names: Sequence[str],
+               in_tree, out_tree, arg_names: Sequence[str], aliases: dict[int, int]):
+    self.values = values
+    self.ops = ops
+    self.inputs = tuple(inputs)
+    self.input_names = tuple(input_names)
+    self.outputs = tuple(outputs)
+    self.output_names = tuple(output_names)
+    self.in_tree = in_tree
+    self.out_tree = out_tree
+    self.arg_names = tuple(arg_names)
+    self.aliases = dict(aliases)  # output position -> input position (the updated state).
+    self._input_pos = {v: i for i, v in enumerate(self.inputs)}
+    self._output_pos: dict[int, int] = {}
+    for i, v in enumerate(self.outputs):
+      self._output_pos.setdefault(v, i)
+    self._by_name: dict[str, int] = {}
+    for v, n in zip(self.outputs, self.output_names):
+      self._by_name.setdefault(n, v)
+    for v, n in zip(self.inputs, self.input_names):
+      self._by_name[n] = v
+
+  # ----------------------------------------------------------------------------- structure
+  @functools.cached_property
+  def users(self) -> list[tuple[int, ...]]:
+    """For each value, the indices of the ops that read it (in program order, no repeats)."""
+    users: list[list[int]] = [[] for _ in self.values]
+    for op in self.ops:
+      for v in op.inputs:
+        u = users[v]
+        if not u or u[-1] != op.index:
+          u.append(op.index)
+    return [tuple(u) for u in users]
+
+  @functools.cached_property
+  def aliased(self) -> dict[int, tuple[int, ...]]:
+    """Input value -> the output values that are its updated version."""
+    out: dict[int, list[int]] = {}
+    for o, i in sorted(self.aliases.items()):
+      out.setdefault(self.inputs[i], []).append(self.outputs[o])
+    return {k: tuple(v) for k, v in out.items()}
+
+  def input_position(self, vid: int) -> int | None:
+    return self._input_pos.get(vid)
+
+  def output_position(self, vid: int) -> int | None:
+    return self._output_pos.get(vid)
+
+  def name(self, vid: int) -> str:
+    """The value's name: its input or output path, or `%id` with its producer and scope."""
+    v = self.values[vid]
+    if v.name is not None:
+      return v.name
+    pos = self._output_pos.get(vid)
+    if pos is not None:
+      return self.output_names[pos]
+    if v.is_const:
+      return f"%{vid}(const)"
+    op = self.ops[v.producer]
+    scope = op.scope
+    return f"%{vid}({op.name}{' in ' + scope if scope else ''})"
+
+  def value(self, name_or_id: str | int) -> Value:
+    """Looks a value up by input/output name or `%id`."""
+    if isinstance(name_or_id, int):
+      return self.values[name_or_id]
+    vid = self._by_name.get(name_or_id)
+    if vid is None and name_or_id.startswith("%") and name_or_id[1:].isdigit():
+      vid = int(name_or_id[1:])
+      if vid >= len(self.values):
+        vid = None
+    if vid is None:
+      raise PatternError(f"no value named {name_or_id!r} in the program")
+    return self.values[vid]
+
+  def match(self, pattern: str, among: Iterable[int] | None = None) -> list[int]:
+    """Value ids whose name matches a glob (`params/**/w`, `opt_state/*/mu/**`) or equals it."""
+    if among is None:
+      among = list(self.inputs) + [v for v in self.outputs if v not in self._input_pos]
+    if pattern.startswith("%") and pattern[1:].isdigit():
+      return [self.value(pattern).id]
+    rx = _glob_regex(pattern)
+    return [v for v in among if rx.match(self.name(v))]
+
+  @property
+  def num_ops(self) -> int:
+    return len(self.ops)
+
+  def primitives(self) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for op in self.ops:
+      counts[op.name] = counts.get(op.name, 0) + 1
+    return counts
+
+  # ----------------------------------------------------------------------------- evaluation
+  def evaluate(self, *flat_inputs):
+    """Runs the program on flat input leaves and returns the flat outputs (un-partitioned)."""
+    env: list[Any] = [None] * len(self.values)
+    for vid, x in zip(self.inputs, flat_inputs):
+      env[vid] = x
+    for v in self.values:
+      if v.is_const:
+        env[v.id] = v.const
+    for op in self.ops:
+      outs = bind(op, [env[i] for i in op.inputs], op.params)
+      for vid, x in zip(op.outputs, outs):
+        env[vid] = x
+    return [env[v] for v in self.outputs]
+
+  def __call__(self, *args):
+    import jax
+    leaves = jax.tree_util.tree_leaves(args)
+    return jax.tree_util.tree_unflatten(self.out_tree, self.evaluate(*leaves))
+
+  def flatten_args(self, args) -> list:
+    import jax
+    leaves, tree = jax.tree_util.tree_flatten(tuple(args))
+    if tree != self.in_tree:
+      raise ValueError(f"arguments do not match the traced structure:\n{tree}\nvs\n{self.in_tree}")
+    return leaves
+
+  def __repr__(self) -> str:
+    return (f"Program({len(self.ops)} ops, {len(self.inputs)} inputs, {len(self.outputs)} outputs)")
+
+
+def bind(op: Op, args: list, params: dict) -> list:
+  """Applies an op's primitive to arguments, always returning a list of results."""
+  subfuns, bind_params = op.primitive.get_bind_params(params)
+  out = op.primitive.bind(*subfuns, *args, **bind_params)
+  return list(out) if op.primitive.multiple_results else [out]

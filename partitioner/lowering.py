@@ -1,0 +1,188 @@
+"""Lowering a partitioned program to real JAX, two ways.
+
+`lower_spmd`: an explicit per-device program under `shard_map` that runs every op on local
+pieces and issues exactly the collectives of the plan (psum, psum_scatter, all_gather,
+all_to_all). It proves the rewriting semantics.
+
+`to_jax_shardings` / `jit_partitioned`: `NamedSharding`s for inputs and outputs and a
+`with_sharding_constraint` on every intermediate, for XLA's own SPMD partitioner under `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.shard_map import shard_map
+from jax.sharding import NamedSharding
+
+from partitioner import collectives as C
+from partitioner.ir import bind
+from partitioner.rules import LOCAL_RULES
+from partitioner.sharding import Sharding, local_shape
+
+
+class LocalContext:
+  """What a local rule may ask about the op it is running on one device."""
+
+  __slots__ = ("op", "program", "sizes", "plan", "factors")
+
+  def __init__(self, op, program, sizes, plan, factors):
+    self.op, self.program, self.sizes, self.plan, self.factors = op, program, sizes, plan, factors
+
+  def operand_dims(self, k):
+    return self.plan.operand_dims[k]
+
+  def result_dims(self, k):
+    return self.plan.result[k].dims
+
+  def operand_shape(self, k):
+    return local_shape(self.program.values[self.op.inputs[k]].shape, self.operand_dims(k),
+                       self.sizes)
+
+  def result_shape(self, k):
+    return local_shape(self.program.values[self.op.outputs[k]].shape, self.result_dims(k),
+                       self.sizes)
+
+  @property
+  def partial(self):
+    return self.plan.result[0].partial if self.plan.result else ()
+
+  def shard_index(self, axes):
+    return shard_index(axes, self.sizes)
+
+
+def shard_index(axes, sizes):
+  """This device's position along a tuple of mesh axes, major to minor (traced)."""
+  idx = None
+  for a in axes:
+    i = lax.axis_index(a)
+    idx = i if idx is None else idx * sizes[a] + i
+  return idx
+
+
+_REDUCERS = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
+
+
+def run_steps(x, steps, sizes):
+  for s in steps:
+    if s.kind == C.ALL_REDUCE:
+      x = _REDUCERS[s.reduce](x, s.axes)
+    elif s.kind == C.REDUCE_SCATTER:
+      x = lax.psum_scatter(x, s.axes, scatter_dimension=s.dim, tiled=True)
+    elif s.kind == C.ALL_GATHER:
+      x = lax.all_gather(x, s.axes, axis=s.dim, tiled=True)
+    elif s.kind == C.ALL_TO_ALL:
+      x = lax.all_to_all(x, s.axes[0], s.to_dim, s.dim, tiled=True)
+    elif s.kind == C.SLICE:
+      chunk = x.shape[s.dim] // math.prod(sizes[a] for a in s.axes)
+      x = lax.dynamic_slice_in_dim(x, shard_index(s.axes, sizes) * chunk, chunk, s.dim)
+    else:
+      raise AssertionError(s)
+  return x
+
+
+def _spmd_body(pp) -> Callable:
+  program, plan, state = pp.program, pp.plan, pp.state
+  sizes = pp.mesh.sizes
+  table = state.table
+
+  def body(*local_inputs):
+    env: list[Any] = [None] * len(program.values)
+    for vid, x in zip(program.inputs, local_inputs):
+      env[vid] = x
+    cache: dict = {}
+    for op, op_plan in zip(program.ops, plan.ops):
+      args = []
+      for k, vid in enumerate(op.inputs):
+        x = env[vid]
+        if x is None:
+          x = jnp.asarray(program.values[vid].const)
+        steps = op_plan.operand_steps[k]
+        if steps:
+          key = (vid, op_plan.operand_dims[k])
+          if key not in cache:
+            cache[key] = run_steps(x, steps, sizes)
+          x = cache[key]
+        args.append(x)
+      rule = LOCAL_RULES.get(op.name)
+      if rule is not None:
+        outs = rule(op, LocalContext(op, program, sizes, op_plan, table[op.index].factors), args)
+      else:
+        outs = bind(op, args, op.params)
+      for k, vid in enumerate(op.outputs):
+        env[vid] = run_steps(outs[k], op_plan.result_steps[k], sizes)
+    results = []
+    for vid in program.outputs:
+      x = env[vid]
+      if x is None:  # a constant output: replicated, then cut to its sharding.
+        v = program.values[vid]
+        steps = C.reshard_steps(v.shape, v.dtype.itemsize, ((),) * v.rank, (), "sum",
+                                state.dims[vid], sizes)
+        x = run_steps(jnp.asarray(v.const), steps, sizes)
+      results.append(x)
+    return tuple(results)
+
+  return body
+
+
+def lower_spmd(pp, jax_mesh=None) -> Callable:
+  """The per-device program under `shard_map`, called like the original function."""
+  program, state = pp.program, pp.state
+  mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
+  in_specs = tuple(Sharding(state.dims[v]).spec() for v in program.inputs)
+  out_specs = tuple(Sharding(state.dims[v]).spec() for v in program.outputs)
+  flat = shard_map(_spmd_body(pp), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                   check_rep=False)
+
+  def run(*args):
+    outs = flat(*program.flatten_args(args))
+    return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
+
+  run.flat = flat
+  return run
+
+
+class JaxShardings(NamedTuple):
+  mesh: Any
+  in_shardings: tuple            # pytree of NamedSharding, like the arguments
+  out_shardings: Any             # pytree of NamedSharding, like the outputs
+  constrained: Callable          # the program with with_sharding_constraint on intermediates
+
+
+def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
+  program, state = pp.program, pp.state
+  mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
+  named = lambda vid: NamedSharding(mesh, Sharding(state.dims[vid]).spec())
+  in_flat = [named(v) for v in program.inputs]
+  out_flat = [named(v) for v in program.outputs]
+  in_shardings = jax.tree_util.tree_unflatten(program.in_tree, in_flat)
+  out_shardings = jax.tree_util.tree_unflatten(program.out_tree, out_flat)
+  constraints = {v.id: named(v.id) for v in program.values
+                 if v.producer is not None and v.rank > 0}
+
+  def constrained(*args):
+    env: list[Any] = [None] * len(program.values)
+    for vid, x in zip(program.inputs, program.flatten_args(args)):
+      env[vid] = x
+    for v in program.values:
+      if v.is_const:
+        env[v.id] = v.const
+    for op in program.ops:
+      outs = bind(op, [env[i] for i in op.inputs], op.params)
+      for vid, x in zip(op.outputs, outs):
+        s = constraints.get(vid)
+        env[vid] = x if s is None else lax.with_sharding_constraint(x, s)
+    return jax.tree_util.tree_unflatten(program.out_tree, [env[v] for v in program.outputs])
+
+  return JaxShardings(mesh, tuple(in_shardings), out_shardings, constrained)
+
+
+def jit_partitioned(pp, jax_mesh=None) -> Callable:
+  """`jax.jit` of the program with the partitioner's shardings on inputs, outputs and
+  intermediates."""
+  s = to_jax_shardings(pp, jax_mesh)
+  return jax.jit(s.constrained, in_shardings=s.in_shardings, out_shardings=s.out_shardings)

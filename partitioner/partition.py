@@ -1,0 +1,126 @@
+"""Applying a tactic schedule to a program: the partitioned program and what it decided."""
+
+from __future__ import annotations
+
+import functools
+from typing import Mapping, Sequence
+
+from partitioner.collectives import Collective, summarize
+from partitioner.ir import Program
+from partitioner.mesh import Mesh
+from partitioner.plan import Plan, make_plan
+from partitioner.propagation import Conflict, ShardingState
+from partitioner.sharding import Sharding, spec_entries
+from partitioner.tactics import Tactic, TacticContext, TacticReport, format_schedule, parse_schedule
+
+
+def as_mesh(mesh: Mesh | str | Mapping[str, int]) -> Mesh:
+  if isinstance(mesh, Mesh):
+    return mesh
+  return Mesh.parse(mesh) if isinstance(mesh, str) else Mesh(mesh)
+
+
+def as_tactics(schedule: str | Tactic | Sequence[Tactic]) -> list[Tactic]:
+  if isinstance(schedule, str):
+    return parse_schedule(schedule)
+  if isinstance(schedule, Tactic):
+    return [schedule]
+  return list(schedule)
+
+
+class PartitionedProgram:
+  """A program, a mesh, and the shardings a schedule of tactics chose. Immutable: `apply`
+  returns a new one, so a search can branch from any point."""
+
+  def __init__(self, program: Program, mesh: Mesh, state: ShardingState | None = None,
+               schedule: Sequence[Tactic] = (), reports: Sequence[TacticReport] = ()):
+    self.program = program
+    self.mesh = mesh
+    self.state = state if state is not None else ShardingState(program, mesh)
+    self.schedule = tuple(schedule)
+    self.reports = tuple(reports)
+
+  def apply(self, schedule: str | Tactic | Sequence[Tactic]) -> "PartitionedProgram":
+    state = self.state.copy()
+    done, reports = list(self.schedule), list(self.reports)
+    for tactic in as_tactics(schedule):
+      ctx = TacticContext(state, len(done))
+      tactic.apply(ctx)
+      done.append(tactic)
+      reports.append(ctx.report(tactic))
+    return PartitionedProgram(self.program, self.mesh, state, done, reports)
+
+  # --------------------------------------------------------------------------- results
+  @functools.cached_property
+  def plan(self) -> Plan:
+    return make_plan(self.state)
+
+  @property
+  def collectives(self) -> list[Collective]:
+    return self.plan.collectives
+
+  @property
+  def conflicts(self) -> list[Conflict]:
+    return self.state.conflicts
+
+  @functools.cached_property
+  def fallbacks(self) -> dict[int, str]:
+    """Ops that run replicated for want of a rule: op index -> reason."""
+    return dict(sorted(self.state.table.all_fallbacks().items()))
+
+  @property
+  def strategy(self) -> str:
+    return format_schedule(self.schedule)
+
+  def sharding(self, name: str) -> Sharding:
+    return self.state.sharding(self.program.value(name).id)
+
+  def input_shardings(self) -> dict[str, Sharding]:
+    return {n: self.state.sharding(v) for v, n in zip(self.program.inputs, self.program.input_names)}
+
+  def output_shardings(self) -> dict[str, Sharding]:
+    return {n: self.state.sharding(v)
+            for v, n in zip(self.program.outputs, self.program.output_names)}
+
+  def why(self, name: str) -> list[str]:
+    """Which tactic and op gave each axis of a value."""
+    return self.state.why(self.program.value(name).id)
+
+  def lower_spmd(self, jax_mesh=None):
+    from partitioner.lowering import lower_spmd
+    return lower_spmd(self, jax_mesh)
+
+  def jit(self, jax_mesh=None):
+    from partitioner.lowering import jit_partitioned
+    return jit_partitioned(self, jax_mesh)
+
+  def summary(self) -> dict:
+    """A JSON-ready description: strategy, shardings, collectives, fallbacks, conflicts."""
+    p = self.program
+    spec = lambda dims: [list(e) if isinstance(e, tuple) else e for e in spec_entries(dims)]
+    return {
+        "strategy": self.strategy,
+        "mesh": dict(self.mesh.axes),
+        "shardings": {n: spec(self.state.dims[v]) for v, n in zip(p.inputs, p.input_names)},
+        "output_shardings": {n: spec(self.state.dims[v])
+                             for v, n in zip(p.outputs, p.output_names)},
+        "collectives": [{"kind": c.kind, "axes": list(c.axes), "bytes": c.bytes,
+                         "value": p.name(c.value), "op": c.op,
+                         **({"reduce": c.reduce} if c.kind == "all-reduce" else {})}
+                        for c in self.collectives],
+        "collective_summary": summarize(self.collectives),
+        "fallbacks": [{"op": i, "primitive": p.ops[i].name, "reason": r}
+                      for i, r in self.fallbacks.items()],
+        "conflicts": [c._asdict() for c in self.conflicts],
+        "tactics": [{"tactic": r.tactic, "targets": [list(t) for t in r.targets],
+                     "notes": list(r.notes)} for r in self.reports],
+    }
+
+  def __repr__(self) -> str:
+    return f"PartitionedProgram({self.program!r}, mesh={self.mesh}, strategy={self.strategy!r})"
+
+
+def apply(program: Program, mesh: Mesh | str | Mapping[str, int],
+          schedule: str | Tactic | Sequence[Tactic] = ()) -> PartitionedProgram:
+  """Partitions `program` over `mesh` with a schedule of tactics (objects or a string)."""
+  return PartitionedProgram(program, as_mesh(mesh)).apply(schedule)

@@ -1,0 +1,327 @@
+"""Sharding state and factor-based propagation to a fixed point.
+
+Every op is visited through its factor rule: the shardings of its tensors are projected to
+factor axes and merged (higher priority first: values sharded by earlier tactics, then larger
+values, as Shardy prefers resharding the smaller tensor), then projected back onto every tensor
+of the op. A tensor only ever gains axes on a dimension (refinement), so the process is monotone
+and terminates; a later tactic can refine but never undo an earlier one. Disagreements are
+recorded as conflicts with the values and axes involved; the lowering then reshards.
+
+Propagation is incremental: it starts from the values a tactic changed and only visits ops that
+those changes reach.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable, NamedTuple, Sequence
+
+from partitioner.errors import ShardingError
+from partitioner.factors import REPL, OpFactors, join_dim, split_dim
+from partitioner.ir import Program
+from partitioner.mesh import Mesh
+from partitioner.rules import op_factors
+from partitioner.sharding import Axes, Dims, Sharding, format_dims
+
+UNSHARDED = 1 << 30  # priority of a value no tactic has reached
+
+
+class OpTensors(NamedTuple):
+  factors: OpFactors
+  tensors: tuple[tuple[int, tuple], ...]  # (value id, dim factors): operands, then results
+  num_operands: int
+  # Per tensor, the dims that can carry axes: (dim, factors), REPL-only dims left out.
+  slots: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+
+
+class FactorTable:
+  """Factor rules of every op of a program, computed once and shared by all states."""
+
+  def __init__(self, program: Program):
+    self.program = program
+    self.entries: list[OpTensors | None] = [None] * len(program.ops)
+    self.fallbacks: dict[int, str] = {}
+    self.sizes = [v.size for v in program.values]
+    self.is_const = [v.is_const for v in program.values]
+
+  def __getitem__(self, index: int) -> OpTensors:
+    entry = self.entries[index]
+    if entry is None:
+      op = self.program.ops[index]
+      fac, reason = op_factors(op, self.program)
+      if reason is not None:
+        self.fallbacks[index] = reason
+      tensors = tuple(zip(op.inputs, fac.operands)) + tuple(zip(op.outputs, fac.results))
+      slots = tuple(tuple((d, fl) for d, fl in enumerate(dfs)
+                          if fl and not (len(fl) == 1 and fac.kinds[fl[0]] == REPL))
+                    for _, dfs in tensors)
+      entry = self.entries[index] = OpTensors(fac, tensors, len(op.inputs), slots)
+    return entry
+
+  def all_fallbacks(self) -> dict[int, str]:
+    for i in range(len(self.entries)):
+      self[i]
+    return self.fallbacks
+
+
+def factor_table(program: Program) -> FactorTable:
+  table = program.__dict__.get("_factor_table")
+  if table is None:
+    table = program.__dict__["_factor_table"] = FactorTable(program)
+  return table
+
+
+class Origin(NamedTuple):
+  """Why a value carries an axis: the tactic (schedule position) and the op that carried it
+  there by propagation (None where the tactic set it directly)."""
+  tactic: int
+  op: int | None
+
+
+class Conflict(NamedTuple):
+  """Two tensors of an op want incompatible shardings; `kept` won, `dropped` will be resharded."""
+  op: int
+  primitive: str
+  kept: str
+  dropped: str
+  tactic: int
+
+  def __str__(self) -> str:
+    return f"op #{self.op} {self.primitive}: kept {self.kept}, resharding {self.dropped}"
+
+
+class ShardingState:
+  """Per-value shardings with their origins and the axes tactics forbade. Cheap to copy.
+
+  `prio[v]` is the earliest phase (one tile-then-propagate round of a tactic) that sharded v;
+  merges let earlier phases win.
+  """
+
+  def __init__(self, program: Program, mesh: Mesh):
+    self.program = program
+    self.mesh = mesh
+    self.sizes = mesh.sizes
+    self.table = factor_table(program)
+    self.dims: list[Dims] = [((),) * v.rank for v in program.values]
+    self.prio: list[int] = [UNSHARDED] * len(program.values)
+    self.forbidden: dict[int, frozenset[str]] = {}
+    self.origin: dict[tuple[int, str], Origin] = {}
+    self.conflicts: list[Conflict] = []
+    self._conflict_keys: set = set()
+    self.phase = 0  # priority of what is tiled now: earlier phases win merges.
+
+  def copy(self) -> "ShardingState":
+    new = object.__new__(ShardingState)
+    new.program, new.mesh, new.sizes, new.table = self.program, self.mesh, self.sizes, self.table
+    new.dims = list(self.dims)
+    new.prio = list(self.prio)
+    new.forbidden = dict(self.forbidden)
+    new.origin = dict(self.origin)
+    new.conflicts = list(self.conflicts)
+    new._conflict_keys = set(self._conflict_keys)
+    new.phase = self.phase
+    return new
+
+  def sharding(self, vid: int) -> Sharding:
+    return Sharding(self.dims[vid])
+
+  def describe(self, vid: int) -> str:
+    return f"{self.program.name(vid)} {format_dims(self.dims[vid])}"
+
+  def why(self, vid: int) -> list[str]:
+    """For each axis on a value, which tactic put it there and through which op."""
+    lines = []
+    for d, axes in enumerate(self.dims[vid]):
+      for a in axes:
+        o = self.origin.get((vid, a))
+        if o is None:
+          continue
+        via = "set directly" if o.op is None else (
+            f"propagated through op #{o.op} ({self.program.ops[o.op].name})")
+        lines.append(f"dim {d} on {a!r}: tactic #{o.tactic}, {via}")
+    return lines
+
+  # --------------------------------------------------------------------------- tactic edits
+  def tile(self, vid: int, dim: int, axes: Sequence[str], tactic: int) -> bool:
+    """Adds `axes` (minor to what the dimension has) to `dim` of a value. Raises on bad input."""
+    v = self.program.values[vid]
+    name = self.program.name(vid)
+    if not -v.rank <= dim < v.rank:
+      raise ShardingError(f"{name} has rank {v.rank}; dimension {dim} does not exist")
+    dim %= v.rank
+    for a in axes:
+      self.mesh.check_axis(a)
+    cur = self.dims[vid]
+    have = cur[dim]
+    axes = tuple(axes)
+    if axes[: len(have)] == have:
+      new = axes[len(have):]
+    elif all(a in have for a in axes):
+      return False
+    else:
+      new = tuple(a for a in axes if a not in have)
+    if not new:
+      return False
+    for a in new:
+      for d, other in enumerate(cur):
+        if a in other:
+          o = self.origin.get((vid, a))
+          by = f" by tactic #{o.tactic}" if o else ""
+          raise ShardingError(
+              f"{name}: axis {a!r} already shards dimension {d}{by}; it cannot also shard "
+              f"dimension {dim}")
+      if a in self.forbidden.get(vid, ()):
+        raise ShardingError(f"{name}: axis {a!r} was forbidden on this value by an earlier tactic")
+    count = 1
+    for a in have + new:
+      count *= self.sizes[a]
+    if v.shape[dim] % count:
+      raise ShardingError(
+          f"{name}: dimension {dim} of size {v.shape[dim]} is not divisible by "
+          f"{'x'.join(have + new)}={count}")
+    dims = list(cur)
+    dims[dim] = have + new
+    self._set(vid, tuple(dims), new, Origin(tactic, None))
+    return True
+
+  def forbid(self, vid: int, axes: Sequence[str], tactic: int) -> None:
+    """Keeps propagation from adding `axes` to a value (a closed, replicated choice)."""
+    for a in axes:
+      self.mesh.check_axis(a)
+      for d, dim_axes in enumerate(self.dims[vid]):
+        if a in dim_axes:
+          o = self.origin.get((vid, a))
+          raise ShardingError(
+              f"{self.program.name(vid)}: cannot keep it replicated over {a!r}, dimension {d} was "
+              f"sharded on it by tactic #{o.tactic if o else '?'}")
+    self.forbidden[vid] = self.forbidden.get(vid, frozenset()) | frozenset(axes)
+
+  def _set(self, vid: int, dims: Dims, added: Axes, origin: Origin) -> None:
+    self.dims[vid] = dims
+    for a in added:
+      self.origin[(vid, a)] = origin
+    if self.phase < self.prio[vid]:
+      self.prio[vid] = self.phase
+
+  # --------------------------------------------------------------------------- propagation
+  def merge(self, index: int, on_conflict: Callable | None = None) -> list[Axes]:
+    """The op's factor axes agreed from the current shardings of its tensors."""
+    fac, tensors, _, slots = self.table[index]
+    sizes_v = self.table.sizes
+    dims, prio = self.dims, self.prio
+    fac_axes: list[Axes] = [()] * len(fac.sizes)
+    order = [(prio[v], -sizes_v[v], k) for k, (v, _) in enumerate(tensors) if prio[v] < UNSHARDED]
+    if not order:
+      return fac_axes
+    if len(order) > 1:
+      order.sort()
+    kinds = fac.kinds
+    owner = [-1] * len(fac.sizes)
+    used: dict[str, int] = {}
+    for _, _, k in order:
+      v = tensors[k][0]
+      vdims = dims[v]
+      for d, flist in slots[k]:
+        axes = vdims[d]
+        if not axes:
+          continue
+        if len(flist) == 1:
+          pairs = ((flist[0], axes),)
+        else:
+          pairs = [(f, ax) for f, ax in split_dim(axes, flist, fac.sizes, self.sizes)
+                   if kinds[f] != REPL]
+        for f, ax in pairs:
+          cur = fac_axes[f]
+          lc = len(cur)
+          if lc:
+            if ax[:lc] != cur:
+              if on_conflict is not None and cur[: len(ax)] != ax:
+                on_conflict(index, tensors[owner[f]][0], cur, v, ax)
+              continue
+            if len(ax) == lc:
+              continue
+          new = cur
+          for a in ax[lc:]:
+            g = used.get(a)
+            if g is not None and g != f:
+              if on_conflict is not None:
+                on_conflict(index, tensors[owner[g]][0], fac_axes[g], v, ax)
+              break
+            used[a] = f
+            new += (a,)
+          if len(new) != lc:
+            fac_axes[f] = new
+            owner[f] = k
+    return fac_axes
+
+  def _record_conflict(self, tactic: int):
+    def record(index, kept_v, kept_axes, dropped_v, dropped_axes):
+      key = (index, kept_v, kept_axes, dropped_v, dropped_axes)
+      if key in self._conflict_keys:
+        return
+      self._conflict_keys.add(key)
+      p = self.program
+      self.conflicts.append(Conflict(
+          index, p.ops[index].name, f"{p.name(kept_v)} on {'+'.join(kept_axes)}",
+          f"{p.name(dropped_v)} on {'+'.join(dropped_axes)}", tactic))
+    return record
+
+  def propagate(self, seeds: Sequence[int], tactic: int) -> int:
+    """Spreads the shardings of `seeds` to a fixed point; returns the number of op visits."""
+    program, table = self.program, self.table
+    users = program.users
+    mesh = self.sizes
+    dims, forbidden = self.dims, self.forbidden
+    queue: list[int] = []
+    queued: set[int] = set()
+
+    def push(vid, skip=-1):
+      for u in users[vid]:
+        if u != skip and u not in queued:
+          queued.add(u)
+          heapq.heappush(queue, u)
+      p = program.values[vid].producer
+      if p is not None and p != skip and p not in queued:
+        queued.add(p)
+        heapq.heappush(queue, p)
+
+    for vid in seeds:
+      push(vid)
+    on_conflict = self._record_conflict(tactic)
+    visits = 0
+    while queue:
+      index = heapq.heappop(queue)
+      queued.discard(index)
+      visits += 1
+      fac, tensors, _, slots = table[index]
+      fac_axes = self.merge(index, on_conflict)
+      for k, (v, _) in enumerate(tensors):
+        vdims = dims[v]
+        new = None
+        for d, flist in slots[k]:
+          proj = fac_axes[flist[0]] if len(flist) == 1 else join_dim(flist, fac_axes, fac.sizes, mesh)
+          if not proj:
+            continue
+          cur = vdims[d] if new is None else new[d]
+          lc = len(cur)
+          if len(proj) <= lc or proj[:lc] != cur:
+            continue
+          forb = forbidden.get(v)
+          add: Axes = ()
+          for a in proj[lc:]:
+            if (forb is not None and a in forb) or any(a in dd for dd in (new or vdims)):
+              break
+            add += (a,)
+          if not add:
+            continue
+          if new is None:
+            new = list(vdims)
+          new[d] = cur + add
+          for a in add:
+            self.origin[(v, a)] = Origin(tactic, index)
+        if new is not None:
+          dims[v] = tuple(new)
+          if self.phase < self.prio[v]:
+            self.prio[v] = self.phase
+          push(v, skip=index)
+    return visits

@@ -1,0 +1,240 @@
+"""gather and scatter-add, as used by embedding lookups, `take_along_axis` and their gradients.
+
+An operand dimension that is indexed point-wise (collapsed, slice size 1) can be sharded in two
+ways. If the index component is an `iota` along an index batch dimension (how `take_along_axis`
+addresses the dimensions it does not gather along), the dimension is *parallel*: it shares a
+factor with that batch dimension. Otherwise each device looks up only the indices that fall in
+its shard and contributes zero elsewhere: a gather becomes a partial sum (Megatron's
+vocab-parallel embedding), a scatter-add touches only its own rows.
+"""
+
+import numpy as np
+import jax.numpy as jnp
+from jax import lax
+
+from partitioner.factors import PASS, REPL, SUM, FactorBuilder
+from partitioner.ir import bind
+from partitioner.rules import Unsupported, factor_rule, local_rule
+
+
+def _iota_dim(program, vid, rank):
+  """The index-batch dimension along which value `vid` (trailing size 1) is an iota, if any."""
+  v = program.values[vid]
+  while v.producer is not None:
+    op = program.ops[v.producer]
+    if op.name == "convert_element_type":
+      v = program.values[op.inputs[0]]
+      continue
+    if op.name == "iota" and len(op.params["shape"]) == rank:
+      d = op.params["dimension"]
+      return d if d < rank - 1 else None
+    if op.name == "broadcast_in_dim" and len(v.shape) == rank:
+      src = program.values[op.inputs[0]]
+      if src.rank == 1 and src.producer is not None:
+        inner = program.ops[src.producer]
+        if inner.name == "iota" and inner.params["dimension"] == 0:
+          d = op.params["broadcast_dimensions"][0]
+          return d if d < rank - 1 else None
+    return None
+  return None
+
+
+def iota_components(program, indices: int) -> dict[int, int]:
+  """Index-vector components that are iotas: component position -> index batch dimension."""
+  v = program.values[indices]
+  rank = v.rank
+  pieces = [indices]
+  if v.producer is not None:
+    op = program.ops[v.producer]
+    if op.name == "concatenate" and op.params["dimension"] == rank - 1:
+      pieces = list(op.inputs)
+  found, pos = {}, 0
+  for p in pieces:
+    width = program.values[p].shape[-1]
+    if width == 1:
+      j = _iota_dim(program, p, rank)
+      if j is not None and j not in found.values():
+        found[pos] = j
+    pos += width
+  return found
+
+
+def _check(dn):
+  if getattr(dn, "operand_batching_dims", ()) or getattr(dn, "start_indices_batching_dims", ()):
+    raise Unsupported("gather/scatter with batching dims")
+
+
+@factor_rule("gather")
+def gather(op, program):
+  operand, indices = op.inputs
+  os = program.values[operand].shape
+  ishape = program.values[indices].shape
+  out = program.values[op.outputs[0]].shape
+  dn = op.params["dimension_numbers"]
+  _check(dn)
+  sizes = op.params["slice_sizes"]
+  b = FactorBuilder()
+  op_f, idx_f, out_f = [()] * len(os), [()] * len(ishape), [()] * len(out)
+  if ishape[-1] > 1:
+    idx_f[-1] = (b.new(ishape[-1], REPL),)
+  iotas = iota_components(program, indices)
+  parallel = {}
+  for k, d in enumerate(dn.start_index_map):
+    if d in dn.collapsed_slice_dims and os[d] > 1:
+      j = iotas.get(k)
+      if j is not None and ishape[j] == os[d]:
+        parallel[j] = op_f[d] = (b.new(os[d]),)
+      else:
+        op_f[d] = (b.new(os[d], SUM),)
+  batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
+  for j, o in enumerate(batch_out):
+    if ishape[j] > 1:
+      idx_f[j] = out_f[o] = parallel.get(j) or (b.new(ishape[j]),)
+  kept = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims]
+  for o, d in zip(dn.offset_dims, kept):
+    if sizes[d] == os[d] and os[d] > 1:
+      op_f[d] = out_f[o] = (b.new(os[d]),)
+    else:
+      op_f[d] = (b.new(os[d], REPL),) if os[d] > 1 else ()
+      out_f[o] = (b.new(out[o], REPL),) if out[o] > 1 else ()
+  return b.build([op_f, idx_f], [out_f])
+
+
+@factor_rule("scatter-add")
+def scatter_add(op, program):
+  operand, indices, updates = op.inputs
+  os = program.values[operand].shape
+  ishape = program.values[indices].shape
+  us = program.values[updates].shape
+  dn = op.params["dimension_numbers"]
+  _check(dn)
+  b = FactorBuilder()
+  op_f, idx_f, upd_f = [()] * len(os), [()] * len(ishape), [()] * len(us)
+  if ishape[-1] > 1:
+    idx_f[-1] = (b.new(ishape[-1], REPL),)
+  iotas = iota_components(program, indices)
+  parallel = {}
+  for k, d in enumerate(dn.scatter_dims_to_operand_dims):
+    if d in dn.inserted_window_dims and os[d] > 1:
+      j = iotas.get(k)
+      if j is not None and ishape[j] == os[d]:
+        parallel[j] = op_f[d] = (b.new(os[d]),)
+      else:
+        op_f[d] = (b.new(os[d]),)  # masked: each device applies the updates for its rows.
+  scatter_upd = [d for d in range(len(us)) if d not in dn.update_window_dims]
+  for j, u in enumerate(scatter_upd):
+    if ishape[j] > 1:
+      idx_f[j] = upd_f[u] = parallel.get(j) or (b.new(ishape[j], SUM),)
+  kept = [d for d in range(len(os)) if d not in dn.inserted_window_dims]
+  for w, d in zip(dn.update_window_dims, kept):
+    if us[w] == os[d] and os[d] > 1:
+      op_f[d] = upd_f[w] = (b.new(os[d]),)
+    else:
+      op_f[d] = (b.new(os[d], REPL),) if os[d] > 1 else ()
+      upd_f[w] = (b.new(us[w], REPL),) if us[w] > 1 else ()
+  return b.build([op_f, idx_f, upd_f], [op_f])
+
+
+# ----------------------------------------------------------------------------- local lowering
+def _fill_value(dtype, fill):
+  if fill is not None:
+    return fill
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.inexact):
+    return np.nan
+  if np.issubdtype(dtype, np.signedinteger):
+    return np.iinfo(dtype).min
+  if np.issubdtype(dtype, np.unsignedinteger):
+    return np.iinfo(dtype).max
+  return True
+
+
+def _parallel_dims(ctx) -> set[int]:
+  """Operand dims whose factor is shared with the indices (iota components)."""
+  index_factors = {f for d in ctx.factors.operands[1] for f in d}
+  return {d for d, fs in enumerate(ctx.factors.operands[0]) if fs and fs[0] in index_factors}
+
+
+def _localize_indices(op, ctx, indices, index_map, pointwise):
+  """Moves the index components of sharded point-wise dims to local coordinates.
+
+  Parallel components are shifted; the others are masked to the rows this device holds.
+  Returns (indices, in-range mask or None, global out-of-bounds mask or None, masked dims).
+  """
+  gshape = ctx.program.values[op.inputs[0]].shape
+  lshape = ctx.operand_shape(0)
+  dims = ctx.operand_dims(0)
+  parallel = _parallel_dims(ctx)
+  clip = op.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP
+  comps = [indices[..., k] for k in range(indices.shape[-1])]
+  mask = oob = None
+  masked = []
+  for k, d in enumerate(index_map):
+    axes = dims[d]
+    if not axes or d not in pointwise:
+      continue
+    lo = (ctx.shard_index(axes) * lshape[d]).astype(indices.dtype)
+    if d in parallel:
+      comps[k] = comps[k] - lo
+      continue
+    masked.append(d)
+    idx = comps[k]
+    if clip:
+      idx = jnp.clip(idx, 0, gshape[d] - 1)
+    else:
+      bad = (idx < 0) | (idx >= gshape[d])
+      oob = bad if oob is None else (oob | bad)
+    local = idx - lo
+    ok = (local >= 0) & (local < lshape[d])
+    mask = ok if mask is None else (mask & ok)
+    comps[k] = jnp.where(ok, local, 0)
+  return jnp.stack(comps, axis=-1), mask, oob, masked
+
+
+def _all_first(ctx, axes_list) -> "jax.Array":
+  """True on the devices whose index along every given axis is 0."""
+  first = None
+  for axes in axes_list:
+    at0 = ctx.shard_index(axes) == 0
+    first = at0 if first is None else (first & at0)
+  return first
+
+
+@local_rule("gather")
+def gather_local(op, ctx, args):
+  operand, indices = args
+  dn = op.params["dimension_numbers"]
+  gshape = ctx.program.values[op.inputs[0]].shape
+  lshape = ctx.operand_shape(0)
+  indices, mask, oob, masked = _localize_indices(op, ctx, indices, dn.start_index_map,
+                                                 set(dn.collapsed_slice_dims))
+  sizes = tuple(l if s == g else s for s, g, l in zip(op.params["slice_sizes"], gshape, lshape))
+  out = bind(op, [operand, indices], dict(op.params, slice_sizes=sizes))[0]
+  if mask is None:
+    return [out]
+  batch_out = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+  fill = jnp.zeros((), out.dtype)
+  if oob is not None:
+    # Out-of-bounds lookups read the fill value; exactly one device contributes it to the sum.
+    dims = ctx.operand_dims(0)
+    first = _all_first(ctx, [dims[d] for d in masked])
+    value = jnp.asarray(_fill_value(out.dtype, op.params.get("fill_value")), out.dtype)
+    fill = jnp.where(lax.broadcast_in_dim(oob & first, out.shape, batch_out), value, fill)
+  return [jnp.where(lax.broadcast_in_dim(mask, out.shape, batch_out), out, fill)]
+
+
+@local_rule("scatter-add")
+def scatter_add_local(op, ctx, args):
+  operand, indices, updates = args
+  dn = op.params["dimension_numbers"]
+  indices, mask, _, _ = _localize_indices(op, ctx, indices, dn.scatter_dims_to_operand_dims,
+                                          set(dn.inserted_window_dims))
+  if mask is not None:
+    scatter_upd = tuple(d for d in range(updates.ndim) if d not in dn.update_window_dims)
+    updates = jnp.where(lax.broadcast_in_dim(mask, updates.shape, scatter_upd), updates,
+                        jnp.zeros((), updates.dtype))
+  if ctx.partial:
+    # The result is summed over these axes afterwards: only one device keeps the operand.
+    first = _all_first(ctx, [(a,) for a in ctx.partial])
+    operand = jnp.where(first, operand, jnp.zeros((), operand.dtype))
+  return bind(op, [operand, indices, updates], op.params)

@@ -1,0 +1,368 @@
+"""Tactics: steps that tile chosen values over a mesh axis, then propagate.
+
+Manual tactics (`Tile`, `Replicate`, `BatchParallel`, `Megatron`, `ZeRO`, `EmbeddingSharding`)
+find their targets from the IR and value names, never from model internals listed by hand. A
+schedule is a list of tactics applied in order; each one refines what the earlier ones decided.
+Tactics that tile an input also tile the outputs aliased to it (new params for params), so a
+training step maps its state to the same layout.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import re
+from typing import ClassVar, NamedTuple, Sequence
+
+from partitioner import roles as R
+from partitioner.errors import PatternError, ScheduleError, ShardingError
+from partitioner.propagation import ShardingState
+
+
+class Target(NamedTuple):
+  name: str
+  dim: int
+  axes: tuple[str, ...]
+
+
+class TacticReport(NamedTuple):
+  tactic: str
+  targets: tuple[Target, ...]
+  visits: int
+  notes: tuple[str, ...] = ()
+
+
+class TacticContext:
+  """What a tactic works with: the program, the mesh, the state it refines, its position."""
+
+  def __init__(self, state: ShardingState, index: int):
+    self.state = state
+    self.program = state.program
+    self.mesh = state.mesh
+    self.index = index
+    self.targets: list[Target] = []
+    self.notes: list[str] = []
+    self.visits = 0
+    self._seeds: list[int] = []
+
+  @property
+  def roles(self) -> R.Roles:
+    return R.roles(self.program)
+
+  def tile(self, vid: int, dim: int, axes: Sequence[str] | str) -> bool:
+    """Tiles a value (and its aliased outputs); the change propagates on `propagate()`."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    changed = False
+    for v in (vid,) + R.aliased_outputs(self.program, vid):
+      if self.state.tile(v, dim, axes, self.index):
+        changed = True
+        self._seeds.append(v)
+    if changed:
+      self.targets.append(Target(self.program.name(vid), dim % self.program.values[vid].rank, axes))
+    return changed
+
+  def propagate(self) -> None:
+    """Propagates what was tiled since the last call, as its own priority phase."""
+    if self._seeds:
+      self.visits += self.state.propagate(self._seeds, self.index)
+      self._seeds = []
+      self.state.phase += 1
+
+  def report(self, tactic: "Tactic") -> TacticReport:
+    return TacticReport(str(tactic), tuple(self.targets), self.visits, tuple(self.notes))
+
+
+class Tactic(abc.ABC):
+  """A partitioning step. Subclasses are frozen dataclasses; `str()` gives the schedule syntax."""
+
+  name: ClassVar[str]
+
+  @abc.abstractmethod
+  def apply(self, ctx: TacticContext) -> None:
+    """Tiles its targets in `ctx` and propagates."""
+
+  def __str__(self) -> str:
+    args = []
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.default is dataclasses.MISSING:
+        args.append(str(v))
+      elif v != f.default:
+        args.append(f"{f.name}={v}")
+    return f"{self.name}({', '.join(args)})"
+
+
+TACTICS: dict[str, type[Tactic]] = {}
+
+
+def register(cls):
+  TACTICS[cls.name] = cls
+  return cls
+
+
+def _matches(ctx: TacticContext, pattern: str) -> list[int]:
+  found = ctx.program.match(pattern)
+  if not found:
+    raise PatternError(f"pattern {pattern!r} matches no input or output of the program "
+                       f"(inputs look like {ctx.program.input_names[0]!r})")
+  return found
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Tile(Tactic):
+  """Tiles dimension `dim` of every value matching `value` over mesh axis `axis`."""
+  value: str
+  dim: int
+  axis: str
+  name: ClassVar[str] = "Tile"
+
+  def apply(self, ctx):
+    ctx.mesh.check_axis(self.axis)
+    for vid in _matches(ctx, self.value):
+      ctx.tile(vid, self.dim, self.axis)
+    ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Replicate(Tactic):
+  """Keeps the matching values replicated over `axes` (all mesh axes if empty) from now on."""
+  value: str
+  axes: str = ""
+  name: ClassVar[str] = "Replicate"
+
+  def apply(self, ctx):
+    axes = tuple(a for a in re.split(r"[+ ]", self.axes) if a) or ctx.mesh.names
+    for vid in _matches(ctx, self.value):
+      for v in (vid,) + R.aliased_outputs(ctx.program, vid):
+        ctx.state.forbid(v, axes, ctx.index)
+      ctx.targets.append(Target(ctx.program.name(vid), -1, ()))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class BatchParallel(Tactic):
+  """Data parallelism: the batch inputs are split along `dim` over `axis`.
+
+  The batch inputs are the data arguments (not params or optimizer state) sharing the most
+  common leading size; `inputs` (a pattern) chooses them explicitly.
+  """
+  axis: str
+  inputs: str = ""
+  dim: int = 0
+  name: ClassVar[str] = "BatchParallel"
+
+  def apply(self, ctx):
+    ctx.mesh.check_axis(self.axis)
+    if self.inputs:
+      picked, rest = _matches(ctx, self.inputs), []
+    else:
+      picked, rest = R.batch_inputs(ctx.program, ctx.roles.data)
+      if not picked:
+        raise PatternError("BatchParallel found no data input (an argument other than params and "
+                           "optimizer state); name one with inputs=PATTERN")
+    for vid in picked:
+      ctx.tile(vid, self.dim, self.axis)
+    for vid in rest:
+      ctx.notes.append(f"left {ctx.program.name(vid)} unsplit: its leading size differs")
+    ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Megatron(Tactic):
+  """Tensor parallelism: MLPs split column-then-row, attention split by heads, over `axis`.
+
+  The pairs are found structurally: a weight whose output dimension flows through pass-through
+  ops into another weight's contracting dimension (see `roles.megatron_pairs`).
+  """
+  axis: str
+  name: ClassVar[str] = "Megatron"
+
+  def apply(self, ctx):
+    m = ctx.mesh.size(self.axis)
+    pairs = R.megatron_pairs(ctx.program, m)
+    if not pairs:
+      raise PatternError(f"Megatron({self.axis}) found no weight pairs to split by {m}")
+    for pair in pairs:
+      ctx.tile(pair.column, pair.column_dim, self.axis)
+      for w, d in pair.rows:
+        ctx.tile(w, d, self.axis)
+    ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class EmbeddingSharding(Tactic):
+  """Splits embedding tables (parameters read by a point-wise gather) along the looked-up
+  (vocabulary) dimension: each device looks up its rows and the results are summed."""
+  axis: str
+  name: ClassVar[str] = "EmbeddingSharding"
+
+  def apply(self, ctx):
+    m = ctx.mesh.size(self.axis)
+    tables = R.embedding_tables(ctx.program)
+    if not tables:
+      raise PatternError("EmbeddingSharding found no embedding lookup of a parameter")
+    for vid, dim in tables:
+      if ctx.program.values[vid].shape[dim] % m:
+        ctx.notes.append(f"{ctx.program.name(vid)}: {ctx.program.values[vid].shape[dim]} rows "
+                         f"do not divide by {m}; left alone")
+        continue
+      ctx.tile(vid, dim, self.axis)
+    ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ZeRO(Tactic):
+  """ZeRO over a data-parallel axis: stage 1 shards the optimizer state, 2 also the gradients,
+  3 also the parameters (FSDP).
+
+  ZeRO is data parallelism with sharded state, so the batch is split over `axis` first if no
+  earlier tactic did. Each parameter's state is cut along one dimension that divides (the
+  largest one not already sharded). Stage 1 keeps everything the optimizer state does not feed
+  (forward, backward, gradients) and the parameters replicated over `axis`; stage 2 keeps only
+  the parameters replicated.
+  """
+  axis: str
+  stage: int = 3
+  name: ClassVar[str] = "ZeRO"
+
+  def apply(self, ctx):
+    if self.stage not in (1, 2, 3):
+      raise ScheduleError(f"ZeRO stage must be 1, 2 or 3, got {self.stage}")
+    m = ctx.mesh.size(self.axis)
+    program, state = ctx.program, ctx.state
+    roles = ctx.roles
+    if not roles.opt_state and self.stage < 3:
+      raise PatternError("ZeRO found no optimizer state (an argument named like opt_state)")
+    batch, _ = R.batch_inputs(program, roles.data)
+    if batch and not any(self.axis in d for v in batch for d in state.dims[v]):
+      for vid in batch:
+        if program.values[vid].shape[0] % (m * _count(state, vid, 0)) == 0:
+          ctx.tile(vid, 0, self.axis)
+      ctx.propagate()
+
+    def choose_dim(vid):
+      v = program.values[vid]
+      dims = state.dims[vid]
+      options = [d for d in range(v.rank) if v.shape[d] % (m * _count(state, vid, d)) == 0
+                 and self.axis not in dims[d]]
+      if any(self.axis in d for d in dims) or not options:
+        return None
+      return max(options, key=lambda d: (not dims[d], v.shape[d], -d))
+
+    params = set(roles.params)
+    chosen: dict[int, int | None] = {}
+    if self.stage == 3:
+      for p in roles.params:
+        chosen[p] = choose_dim(p)
+        if chosen[p] is not None:
+          ctx.tile(p, chosen[p], self.axis)
+    for o in roles.opt_state:
+      if program.values[o].rank == 0:
+        continue
+      p = R.matching_param(program, o)
+      if p is not None and p not in chosen:
+        chosen[p] = choose_dim(p)
+      d = chosen.get(p) if p is not None else choose_dim(o)
+      if d is not None and not any(self.axis in dd for dd in state.dims[o]):
+        ctx.tile(o, d, self.axis)
+    skipped = [program.name(p) for p, d in chosen.items() if d is None]
+    if skipped:
+      ctx.notes.append(f"left unsharded (no dimension divides by {m}): {', '.join(skipped[:5])}"
+                       + (" ..." if len(skipped) > 5 else ""))
+    if self.stage < 3:
+      for p in roles.params:
+        for v in (p,) + R.aliased_outputs(program, p):
+          if not any(self.axis in d for d in state.dims[v]):
+            state.forbid(v, (self.axis,), ctx.index)
+    if self.stage == 1:
+      fed = R.depends_on(program, tuple(roles.opt_state))
+      for v in range(len(program.values)):
+        if v not in fed and not any(self.axis in d for d in state.dims[v]):
+          state.forbidden[v] = state.forbidden.get(v, frozenset()) | {self.axis}
+    ctx.propagate()
+
+
+def _count(state, vid, dim) -> int:
+  n = 1
+  for a in state.dims[vid][dim]:
+    n *= state.sizes[a]
+  return n
+
+
+# ------------------------------------------------------------------------------ schedule syntax
+_CALL = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.S)
+
+
+def _split_args(text: str) -> list[str]:
+  parts, depth, cur, quote = [], 0, [], None
+  for ch in text:
+    if quote:
+      cur.append(ch)
+      if ch == quote:
+        quote = None
+    elif ch in "'\"":
+      quote = ch
+      cur.append(ch)
+    elif ch in "([{":
+      depth += 1
+      cur.append(ch)
+    elif ch in ")]}":
+      depth -= 1
+      cur.append(ch)
+    elif ch == "," and depth == 0:
+      parts.append("".join(cur))
+      cur = []
+    else:
+      cur.append(ch)
+  if "".join(cur).strip():
+    parts.append("".join(cur))
+  return [p.strip() for p in parts]
+
+
+def _value(text: str):
+  if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+    return text[1:-1]
+  if re.fullmatch(r"-?\d+", text):
+    return int(text)
+  if text in ("True", "true"):
+    return True
+  if text in ("False", "false"):
+    return False
+  return text
+
+
+def parse_tactic(text: str) -> Tactic:
+  m = _CALL.match(text)
+  if not m:
+    raise ScheduleError(f"cannot parse tactic {text.strip()!r}; expected Name(arg, key=value)")
+  name, args_text = m.group(1), m.group(2) or ""
+  cls = TACTICS.get(name)
+  if cls is None:
+    raise ScheduleError(f"unknown tactic {name!r}; known: {', '.join(sorted(TACTICS))}")
+  args, kwargs = [], {}
+  for part in _split_args(args_text):
+    key, eq, val = part.partition("=")
+    if eq and re.fullmatch(r"[A-Za-z_]\w*", key.strip()):
+      kwargs[key.strip()] = _value(val.strip())
+    else:
+      args.append(_value(part))
+  try:
+    return cls(*args, **kwargs)
+  except TypeError as e:
+    fields = ", ".join(f.name for f in dataclasses.fields(cls))
+    raise ScheduleError(f"bad arguments for {name}({fields}): {e}") from None
+
+
+def parse_schedule(text: str) -> list[Tactic]:
+  """`"BatchParallel(batch); Megatron(model); ZeRO(batch, stage=3)"` -> tactics."""
+  items = [s for s in re.split(r"[;\n]", text) if s.strip()]
+  return [parse_tactic(s) for s in items]
+
+
+def format_schedule(tactics: Sequence[Tactic]) -> str:
+  return "; ".join(str(t) for t in tactics)

@@ -1,0 +1,198 @@
+"""From a JAX function to the partitioning IR.
+
+`jax.make_jaxpr` does the tracing; this module flattens it: nested `pjit`, `closed_call`,
+`custom_jvp_call`, `custom_vjp_call`, `checkpoint`/`remat` are inlined (their bodies are what
+runs), literals and closed-over constants become constant values, and inputs are named by
+their pytree paths under the function's parameter names (`params/layer_0/mlp/w_in`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax import core
+from jax import tree_util
+
+from partitioner.ir import Op, Program, Value
+
+# Call-like primitives whose body is inlined, with the parameter holding the body.
+_INLINE = {
+    "pjit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "remat": ("jaxpr",),
+    "remat2": ("jaxpr",),
+    "named_call": ("call_jaxpr",),
+}
+
+
+def key_name(key) -> str:
+  if isinstance(key, tree_util.DictKey):
+    return str(key.key)
+  if isinstance(key, tree_util.SequenceKey):
+    return str(key.idx)
+  if isinstance(key, tree_util.GetAttrKey):
+    return key.name
+  if isinstance(key, tree_util.FlattenedIndexKey):
+    return str(key.key)
+  return str(key)
+
+
+def path_name(path) -> str:
+  return "/".join(key_name(k) for k in path)
+
+
+def argument_names(fn: Callable, nargs: int) -> list[str]:
+  """The positional parameter names of `fn` (`params`, `opt_state`, `batch`), else `argN`."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return [f"arg{i}" for i in range(nargs)]
+  names = []
+  for p in sig.parameters.values():
+    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+      names.append(p.name)
+    elif p.kind == p.VAR_POSITIONAL:
+      names.extend(f"{p.name}{i}" for i in range(nargs - len(names)))
+      break
+  names += [f"arg{i}" for i in range(len(names), nargs)]
+  return names[:nargs]
+
+
+class _Builder:
+  """Accumulates values and ops while walking (and inlining) a jaxpr."""
+
+  def __init__(self):
+    self.values: list[Value] = []
+    self.ops: list[Op] = []
+    self.effectful: set[int] = set()
+
+  def eliminate_dead_code(self, outputs: Sequence[int]) -> None:
+    """Drops ops whose results nothing uses (the primal of a `jax.grad`, say); ops with
+    effects stay. Renumbers the ops that remain."""
+    live = set(outputs)
+    keep = []
+    for op in reversed(self.ops):
+      if op.index in self.effectful or any(v in live for v in op.outputs):
+        keep.append(op)
+        live.update(op.inputs)
+    keep.reverse()
+    kept = {id(op) for op in keep}
+    for op in self.ops:
+      if id(op) not in kept:
+        for v in op.outputs:  # orphaned: nothing refers to these values any more.
+          self.values[v].producer = None
+    for new_index, op in enumerate(keep):
+      op.index = new_index
+      for v in op.outputs:
+        self.values[v].producer = new_index
+    self.ops = keep
+
+  def new_value(self, aval, name=None, producer=None, const=None) -> int:
+    vid = len(self.values)
+    self.values.append(Value(vid, aval.shape, aval.dtype, name, producer, const))
+    return vid
+
+  def const(self, x) -> int:
+    aval = core.get_aval(x)
+    return self.new_value(aval, const=x)
+
+  def emit(self, jaxpr: core.Jaxpr, consts: Sequence[Any], args: Sequence[int]) -> list[int]:
+    env: dict[core.Var, int] = {}
+    for var, c in zip(jaxpr.constvars, consts):
+      env[var] = self.const(c)
+    for var, vid in zip(jaxpr.invars, args):
+      env[var] = vid
+
+    def read(atom) -> int:
+      if isinstance(atom, core.Literal):
+        return self.const(atom.val)
+      return env[atom]
+
+    for eqn in jaxpr.eqns:
+      ins = [read(a) for a in eqn.invars]
+      name = eqn.primitive.name
+      body_keys = _INLINE.get(name)
+      body = None
+      if body_keys is not None:
+        for key in body_keys:
+          if key in eqn.params:
+            body = eqn.params[key]
+            break
+      if body is not None:
+        if isinstance(body, core.ClosedJaxpr):
+          outs = self.emit(body.jaxpr, body.consts, ins)
+        else:
+          outs = self.emit(body, (), ins)
+        for var, vid in zip(eqn.outvars, outs):
+          if not isinstance(var, core.DropVar):
+            env[var] = vid
+        continue
+      index = len(self.ops)
+      outs = tuple(self.new_value(v.aval, producer=index) for v in eqn.outvars)
+      self.ops.append(Op(index, eqn.primitive, tuple(ins), outs, dict(eqn.params),
+                         eqn.source_info.name_stack))
+      if eqn.effects:
+        self.effectful.add(index)
+      for var, vid in zip(eqn.outvars, outs):
+        if not isinstance(var, core.DropVar):
+          env[var] = vid
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _find_aliases(args, out_shape, in_offsets: list[int]) -> dict[int, int]:
+  """Output leaves that are the updated version of an argument (same structure, shapes, dtypes)."""
+  def signature(tree):
+    leaves, treedef = tree_util.tree_flatten(tree)
+    return treedef, tuple((tuple(l.shape), np.dtype(l.dtype)) for l in leaves)
+
+  arg_sigs = [signature(a) for a in args]
+  parts = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
+  aliases, used, out_offset = {}, set(), 0
+  for part in parts:
+    sig = signature(part)
+    n = len(sig[1])
+    for j, asig in enumerate(arg_sigs):
+      if j not in used and n and asig == sig:
+        used.add(j)
+        for k in range(n):
+          aliases[out_offset + k] = in_offsets[j] + k
+        break
+    out_offset += n
+  return aliases
+
+
+def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None) -> Program:
+  """Traces `fn(*args)` (arrays or `jax.ShapeDtypeStruct`s) into a `Program`."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  names = list(arg_names) if arg_names is not None else argument_names(fn, len(args))
+  leaves_with_paths, in_tree = tree_util.tree_flatten_with_path(tuple(args))
+  input_names = []
+  for path, _ in leaves_with_paths:
+    top, rest = path[0], path[1:]
+    arg = names[top.idx]
+    input_names.append(arg + ("/" + path_name(rest) if rest else ""))
+
+  builder = _Builder()
+  jaxpr = closed.jaxpr
+  inputs = [builder.new_value(v.aval, name=n) for v, n in zip(jaxpr.invars, input_names)]
+  outputs = builder.emit(jaxpr, closed.consts, inputs)
+  builder.eliminate_dead_code(outputs)
+
+  out_paths, out_tree = tree_util.tree_flatten_with_path(out_shape)
+  output_names = [("out/" + path_name(p)) if p else "out" for p, _ in out_paths]
+
+  offsets, total = [], 0
+  for a in args:
+    offsets.append(total)
+    total += len(tree_util.tree_leaves(a))
+  aliases = _find_aliases(args, out_shape, offsets)
+  return Program(builder.values, builder.ops, inputs, input_names, outputs, output_names,
+                 in_tree, out_tree, names, aliases)

@@ -1,0 +1,100 @@
+"""`shardzero partition`: tables, JSON, verification, XLA comparison, one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch.cli import main
+
+USER = "tests/launch/user_model.py:workload"
+
+
+def run(capsys, *argv):
+  code = main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_partition_prints_shardings_collectives_and_verifies(capsys):
+  code, out, _ = run(capsys, "partition", "gpt:small", "--mesh", "batch=2,model=4", "--tactics",
+                     "BatchParallel(batch); Megatron(model)", "--verify")
+  assert code == 0
+  assert "params/gpt/layer_*/w_in/w" in out and "[-, model]" in out
+  assert "all-reduce" in out and "verify: OK" in out
+
+
+def test_partition_json_has_the_documented_fields(capsys, tmp_path):
+  path = tmp_path / "r.json"
+  code, _, _ = run(capsys, "partition", "mlp:small", "--mesh", "batch=4,model=2", "--tactics",
+                   "BatchParallel(batch); Megatron(model)", "--verify", "--json", str(path))
+  data = json.loads(path.read_text())
+  assert code == 0
+  assert data["strategy"] == "BatchParallel(batch); Megatron(model)"
+  assert data["shardings"]["params/mlp/layer_0/w"] == [None, "model"]
+  assert data["shardings"]["batch/x"] == ["batch"]
+  assert {"kind", "axes", "bytes"} <= set(data["collectives"][0])
+  assert data["fallbacks"] == [] and data["verified"] is True and data["max_abs_err"] < 1e-4
+
+
+def test_partition_json_to_stdout_with_xla_side_by_side(capsys):
+  code, out, _ = run(capsys, "partition", USER, "--mesh", "a=8", "--tactics",
+                     "BatchParallel(a)", "--xla", "--json", "-")
+  data = json.loads(out)
+  assert code == 0
+  assert [c["kind"] for c in data["collectives"]] == ["all-reduce"] * 3  # loss, 2 gradients
+  assert sum(c["bytes"] for c in data["xla_collectives"] if not c["from_constant"]) == sum(
+      c["bytes"] for c in data["collectives"])
+
+
+def test_partition_xla_table(capsys):
+  code, out, _ = run(capsys, "partition", USER, "--mesh", "a=8", "--tactics", "BatchParallel(a)",
+                     "--xla")
+  assert code == 0 and "partitioner vs XLA" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["mlp:small", "--mesh", "batch=8", "--tactics", "BatchParallel(model)"],
+     "unknown mesh axis 'model'"),
+    (["mlp:small", "--mesh", "batch=3", "--tactics", "BatchParallel(batch)"],
+     "batch/x: dimension 0 of size 32 is not divisible by batch=3"),
+    (["mlp:small", "--mesh", "batch=8", "--tactics", "Tile(params/nothing/*, 0, batch)"],
+     "pattern 'params/nothing/*' matches no input or output"),
+    (["no_such_module:fn", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
+     "'no_such_module' is neither a corpus family (mlp, gpt) nor an importable module"),
+    (["json.no_such:fn", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
+     "no module 'json.no_such'"),
+    (["tests/launch/missing.py:fn", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
+     "no such file"),
+    (["tests/launch/user_model.py:not_a_workload", "--mesh", "a=2", "--tactics",
+      "BatchParallel(a)"], "must return (fn, example_args)"),
+    (["gpt:huge", "--mesh", "a=2", "--tactics", "BatchParallel(a)"], "gpt has no preset 'huge'"),
+    (["gpt:small,depth=3", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
+     "gpt has no knob 'depth'"),
+    (["mlp:small", "--mesh", "batch", "--tactics", "BatchParallel(batch)"], "bad mesh 'batch'"),
+    (["mlp:small", "--mesh", "batch=8", "--tactics", "Pipeline(batch)"],
+     "unknown tactic 'Pipeline'"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
+  code, out, err = run(capsys, "partition", *argv)
+  assert code == 2
+  assert err.count("\n") == 1 and message in err, err
+  assert err.startswith("shardzero partition: error: ")
+
+
+def test_console_script_help_and_exit_code():
+  env = dict(os.environ)
+  exe = os.path.join(os.path.dirname(sys.executable), "shardzero")
+  done = subprocess.run([exe, "partition", "--help"], capture_output=True, text=True, env=env)
+  assert done.returncode == 0 and "Tactics (separated by ';')" in done.stdout
+  done = subprocess.run([exe, "partition", "mlp:small", "--mesh", "batch=8", "--tactics",
+                         "Megatron(batch)"], capture_output=True, text=True, env=env)
+  # The MLP's widths divide by 8, so Megatron works on any axis name.
+  assert done.returncode == 0, done.stderr
+  done = subprocess.run([exe, "partition", "mlp:small", "--mesh", "x=8", "--tactics",
+                         "Megatron(model)"], capture_output=True, text=True, env=env)
+  assert done.returncode == 2 and "Traceback" not in done.stderr
+  assert done.stderr.strip().splitlines() == [
+      "shardzero partition: error: unknown mesh axis 'model'; the mesh has x"]

@@ -1,0 +1,134 @@
+"""Manual tactics find their targets from the IR and names, and mean what their names say."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import corpus
+import partitioner as P
+from partitioner.errors import PatternError, ScheduleError
+from tests.partitioner.helpers import run_both
+
+
+@functools.lru_cache(maxsize=None)
+def traced(spec):
+  workload = corpus.load(spec)
+  return workload, P.trace(workload.fn, *workload.args)
+
+
+def sharded_inputs(pp, prefix="params/"):
+  return {n: s.dims for n, s in pp.input_shardings().items() if n.startswith(prefix) and
+          any(s.dims)}
+
+
+# ----------------------------------------------------------------------------- schedule syntax
+def test_schedule_parses_and_prints_back():
+  text = "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=1); Tile(params/**/w, 1, model)"
+  tactics = P.parse_schedule(text)
+  assert tactics == [P.BatchParallel("batch"), P.Megatron("model"), P.ZeRO("batch", stage=1),
+                     P.Tile("params/**/w", 1, "model")]
+  assert "; ".join(map(str, tactics)) == text
+  assert P.parse_schedule("Replicate('params/gpt/embed/**', 'batch')") == [
+      P.Replicate("params/gpt/embed/**", "batch")]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("Megatorn(model)", "unknown tactic 'Megatorn'; known: BatchParallel"),
+    ("Tile(x, 0)", r"bad arguments for Tile\(value, dim, axis\)"),
+    ("BatchParallel(batch", "cannot parse tactic"),
+    ("ZeRO(batch, stage=4)", "ZeRO stage must be 1, 2 or 3"),
+])
+def test_bad_schedules_are_clear_errors(text, message):
+  _, program = traced("mlp:small")
+  with pytest.raises(ScheduleError, match=message):
+    P.apply(program, "batch=8", text)
+
+
+# ----------------------------------------------------------------------------- targets
+def test_batch_parallel_splits_the_data_inputs():
+  _, program = traced("gpt:small")
+  pp = P.apply(program, "batch=8", "BatchParallel(batch)")
+  assert sharded_inputs(pp, "batch/") == {"batch/inputs": (("batch",), ()),
+                                          "batch/targets": (("batch",), ())}
+  assert not sharded_inputs(pp)
+
+
+def test_batch_parallel_needs_a_data_input():
+  program = P.trace(lambda params: params["w"].sum(), {"w": jnp.ones((8, 8))})
+  with pytest.raises(PatternError, match="found no data input"):
+    P.apply(program, "batch=8", "BatchParallel(batch)")
+
+
+def test_megatron_splits_columns_then_rows_and_heads():
+  _, program = traced("gpt:small")
+  pp = P.apply(program, "model=8", "Megatron(model)")
+  weights = {n: d for n, d in sharded_inputs(pp).items() if n.endswith("/w")}
+  for layer in (0, 1):
+    prefix = f"params/gpt/layer_{layer}/"
+    for column in ("attn/query", "attn/key", "attn/value", "w_in"):
+      assert weights.pop(prefix + column + "/w") == ((), ("model",))
+    for row in ("attn/out", "w_out"):
+      assert weights.pop(prefix + row + "/w") == (("model",), ())
+  assert not weights  # embeddings, layer norms untouched
+  # Column biases follow their weights; optimizer state follows its parameter.
+  assert pp.sharding("params/gpt/layer_0/w_in/b").dims == (("model",),)
+  assert pp.sharding("opt_state/1/0/mu/gpt/layer_0/w_in/w").dims == ((), ("model",))
+  # Outputs (the updated parameters) keep the layout of the inputs.
+  assert pp.output_shardings()["out/0/gpt/layer_0/w_in/w"].dims == ((), ("model",))
+
+
+def test_megatron_leaves_attention_whole_when_heads_do_not_divide():
+  workload = corpus.load("gpt:small,d_model=48,heads=6")
+  program = P.trace(workload.fn, *workload.args)
+  pp = P.apply(program, "model=4", "Megatron(model)")
+  assert pp.sharding("params/gpt/layer_0/w_in/w").dims == ((), ("model",))
+  assert pp.sharding("params/gpt/layer_0/attn/query/w").dims == ((), ())
+
+
+def test_zero_stages():
+  workload, program = traced("mlp:small")
+  w, mu = "params/mlp/layer_1/w", "opt_state/0/mu/mlp/layer_1/w"
+  kinds = lambda pp: sorted({c.kind for c in pp.collectives})
+
+  one = P.apply(program, "batch=8", "ZeRO(batch, stage=1)")
+  assert one.sharding(w).dims == ((), ()) and any(one.sharding(mu).dims)
+  assert one.sharding("batch/x").dims == (("batch",), ())  # ZeRO implies data parallelism
+  assert kinds(one) == ["all-gather", "all-reduce"]  # gradients all-reduced, updates gathered
+
+  two = P.apply(program, "batch=8", "ZeRO(batch, stage=2)")
+  assert two.sharding(w).dims == ((), ())
+  assert "reduce-scatter" in kinds(two)  # gradients reduce-scattered
+
+  three = P.apply(program, "batch=8", "ZeRO(batch, stage=3)")
+  assert three.sharding(w).dims == three.sharding(mu).dims != ((), ())
+  assert three.output_shardings()["out/0/mlp/layer_1/w"].dims == three.sharding(w).dims
+  assert kinds(three) == ["all-gather", "all-reduce", "reduce-scatter"]
+
+  for pp in (one, two, three):
+    spmd, jitted = run_both(pp, workload.args)
+    expected = jax.tree_util.tree_leaves(workload.fn(*workload.args))
+    for e, a in zip(expected, spmd):
+      np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_sharding_is_vocab_parallel_and_exact():
+  workload, program = traced("gpt:small")
+  pp = P.apply(program, "batch=2,model=4", "BatchParallel(batch); EmbeddingSharding(model)")
+  assert pp.sharding("params/gpt/embed/embeddings").dims == (("model",), ())
+  # The looked-up rows are summed over the vocabulary shards; the loss's max and sum too.
+  reduces = {c.reduce for c in pp.collectives if c.kind == "all-reduce" and c.axes == ("model",)}
+  assert reduces == {"sum", "max"}
+  expected = jax.tree_util.tree_leaves(workload.fn(*workload.args))
+  for actual in run_both(pp, workload.args):
+    for e, a in zip(expected, actual):
+      np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-4)
+
+
+def test_tile_matches_globs_and_reports_its_targets():
+  _, program = traced("gpt:small")
+  pp = P.apply(program, "model=8", "Tile(params/gpt/layer_*/w_in/w, 1, model)")
+  assert [t.name for t in pp.reports[0].targets] == ["params/gpt/layer_0/w_in/w",
+                                                     "params/gpt/layer_1/w_in/w"]

@@ -1,0 +1,94 @@
+"""Tracing into the IR: names, inlining, region ops, constants, aliases, dead code."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import corpus
+import partitioner as P
+
+
+class State(NamedTuple):
+  step: jax.Array
+  mu: dict
+
+
+def test_inputs_are_named_by_parameter_and_pytree_path():
+  def step(params, state, batch):
+    return params["dense"]["w"] * state.mu["dense"] + batch[0].sum() + state.step
+
+  params = {"dense": {"w": jnp.ones((2, 3))}}
+  state = State(jnp.zeros(()), {"dense": jnp.ones((2, 3))})
+  program = P.trace(step, params, state, [jnp.ones((4,)), jnp.ones((5,))])
+  assert program.input_names == ("params/dense/w", "state/step", "state/mu/dense", "batch/0",
+                                 "batch/1")
+  assert program.output_names == ("out",)
+
+
+def test_abstract_arguments_trace_without_data():
+  spec = jax.ShapeDtypeStruct((4096, 8192), jnp.bfloat16)
+  program = P.trace(lambda x: (x @ x.T).sum(), spec)
+  assert program.values[program.inputs[0]].shape == (4096, 8192)
+  assert program.values[program.inputs[0]].dtype == jnp.bfloat16
+
+
+def test_calls_are_inlined_and_evaluate_the_same():
+  @jax.custom_vjp
+  def clip_grad(x):
+    return x
+
+  clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1, 1),))
+
+  @jax.jit
+  def inner(x):
+    return jax.nn.relu(x) + jax.nn.gelu(x)  # custom_jvp inside a pjit
+
+  def f(x):
+    y = jax.checkpoint(lambda v: jnp.sin(v) * 2)(inner(x))
+    y = jax.named_call(lambda v: v + 1, name="named")(y)
+    return clip_grad(y).sum()
+
+  x = jnp.linspace(-2, 2, 12).reshape(3, 4)
+  for fn in (f, jax.grad(f)):
+    program = P.trace(fn, x)
+    names = set(program.primitives())
+    assert not names & {"pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+                        "checkpoint", "remat", "closed_call", "named_call"}
+    np.testing.assert_allclose(program(x), fn(x), rtol=1e-6)
+
+
+def test_region_ops_are_kept_whole():
+  def f(x):
+    c, ys = lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(3), x)
+    return lax.cond(c.sum() > 0, lambda: ys, lambda: -ys)
+
+  program = P.trace(f, jnp.ones((4, 3)))
+  assert {"scan", "cond"} <= set(program.primitives())
+  np.testing.assert_allclose(program(jnp.ones((4, 3))), f(jnp.ones((4, 3))))
+
+
+def test_constants_and_literals_become_constant_values():
+  table = np.arange(12.0).reshape(3, 4)
+  program = P.trace(lambda x: x * table + 2.0, jnp.ones((3, 4)))
+  consts = [v for v in program.values if v.is_const]
+  assert any(v.shape == (3, 4) for v in consts) and any(v.shape == () for v in consts)
+  np.testing.assert_allclose(program(jnp.ones((3, 4))), table + 2.0)
+
+
+def test_dead_code_is_dropped():
+  program = P.trace(jax.grad(lambda x: jnp.sum(jnp.exp(x) ** 2)), jnp.ones(4))
+  # The primal value of the loss is not an output, so its reduce_sum is gone.
+  assert "reduce_sum" not in program.primitives()
+
+
+def test_training_step_outputs_alias_the_state_they_update():
+  workload = corpus.load("mlp:small")
+  program = P.trace(workload.fn, *workload.args)
+  params = [v for v, n in zip(program.inputs, program.input_names) if n.startswith("params/")]
+  assert len(program.aliases) == len(program.outputs) - 1  # all but the loss
+  first = program.input_names[program.aliases[0]]
+  assert first.startswith("params/") and program.output_names[0].startswith("out/0/")
+  assert len(params) == 6
