@@ -42,7 +42,7 @@ class FactorTable:
     self.entries: list[OpTensors | None] = [None] * len(program.ops)
     self.fallbacks: dict[int, str] = {}
     self.sizes = [v.size for v in program.values]
-    self.is_const = [v.is_const for v in program.values]
+    self.producers = [v.producer for v in program.values]
 
   def __getitem__(self, index: int) -> OpTensors:
     entry = self.entries[index]
@@ -206,8 +206,9 @@ class ShardingState:
   # --------------------------------------------------------------------------- propagation
   def merge(self, index: int, on_conflict: Callable | None = None) -> list[Axes]:
     """The op's factor axes agreed from the current shardings of its tensors."""
-    fac, tensors, _, slots = self.table[index]
-    sizes_v = self.table.sizes
+    table = self.table
+    fac, tensors, _, slots = table.entries[index] or table[index]
+    sizes_v = table.sizes
     dims, prio = self.dims, self.prio
     fac_axes: list[Axes] = [()] * len(fac.sizes)
     order = [(prio[v], -sizes_v[v], k) for k, (v, _) in enumerate(tensors) if prio[v] < UNSHARDED]
@@ -269,21 +270,23 @@ class ShardingState:
   def propagate(self, seeds: Sequence[int], tactic: int) -> int:
     """Spreads the shardings of `seeds` to a fixed point; returns the number of op visits."""
     program, table = self.program, self.table
-    users = program.users
+    users, producers = program.users, table.producers
+    entries, merge = table.entries, self.merge
     mesh = self.sizes
     dims, forbidden = self.dims, self.forbidden
     queue: list[int] = []
     queued: set[int] = set()
+    heappush = heapq.heappush
 
     def push(vid, skip=-1):
       for u in users[vid]:
         if u != skip and u not in queued:
           queued.add(u)
-          heapq.heappush(queue, u)
-      p = program.values[vid].producer
+          heappush(queue, u)
+      p = producers[vid]
       if p is not None and p != skip and p not in queued:
         queued.add(p)
-        heapq.heappush(queue, p)
+        heappush(queue, p)
 
     for vid in seeds:
       push(vid)
@@ -293,8 +296,10 @@ class ShardingState:
       index = heapq.heappop(queue)
       queued.discard(index)
       visits += 1
-      fac, tensors, _, slots = table[index]
-      fac_axes = self.merge(index, on_conflict)
+      fac, tensors, _, slots = entries[index] or table[index]
+      fac_axes = merge(index, on_conflict)
+      if not any(fac_axes):
+        continue
       for k, (v, _) in enumerate(tensors):
         vdims = dims[v]
         new = None

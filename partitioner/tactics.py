@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
+import time
 from typing import ClassVar, NamedTuple, Sequence
 
 from partitioner import roles as R
@@ -28,8 +29,9 @@ class Target(NamedTuple):
 class TacticReport(NamedTuple):
   tactic: str
   targets: tuple[Target, ...]
-  visits: int
+  visits: int                 # op visits of its propagation
   notes: tuple[str, ...] = ()
+  propagate_s: float = 0.0    # time spent propagating
 
 
 class TacticContext:
@@ -43,6 +45,7 @@ class TacticContext:
     self.targets: list[Target] = []
     self.notes: list[str] = []
     self.visits = 0
+    self.propagate_s = 0.0
     self._seeds: list[int] = []
 
   @property
@@ -64,12 +67,15 @@ class TacticContext:
   def propagate(self) -> None:
     """Propagates what was tiled since the last call, as its own priority phase."""
     if self._seeds:
+      start = time.perf_counter()
       self.visits += self.state.propagate(self._seeds, self.index)
+      self.propagate_s += time.perf_counter() - start
       self._seeds = []
       self.state.phase += 1
 
   def report(self, tactic: "Tactic") -> TacticReport:
-    return TacticReport(str(tactic), tuple(self.targets), self.visits, tuple(self.notes))
+    return TacticReport(str(tactic), tuple(self.targets), self.visits, tuple(self.notes),
+                        self.propagate_s)
 
 
 class Tactic(abc.ABC):
