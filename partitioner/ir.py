@@ -198,8 +198,9 @@ class Program:
     return counts
 
   # ----------------------------------------------------------------------------- evaluation
-  def evaluate(self, *flat_inputs):
-    """Runs the program on flat input leaves and returns the flat outputs (un-partitioned)."""
+  def evaluate(self, *flat_inputs, on_result=None):
+    """Runs the program on flat input leaves and returns the flat outputs (un-partitioned).
+    `on_result(value id, x)`, if given, may replace each op result (a sharding constraint)."""
     env: list[Any] = [None] * len(self.values)
     for vid, x in zip(self.inputs, flat_inputs):
       env[vid] = x
@@ -209,7 +210,7 @@ class Program:
     for op in self.ops:
       outs = bind(op, [env[i] for i in op.inputs], op.params)
       for vid, x in zip(op.outputs, outs):
-        env[vid] = x
+        env[vid] = x if on_result is None else on_result(vid, x)
     return [env[v] for v in self.outputs]
 
   def __call__(self, *args):

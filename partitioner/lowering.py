@@ -164,19 +164,13 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
   constraints = {v.id: named(v.id) for v in program.values
                  if v.producer is not None and v.rank > 0}
 
+  def constrain(vid, x):
+    s = constraints.get(vid)
+    return x if s is None else lax.with_sharding_constraint(x, s)
+
   def constrained(*args):
-    env: list[Any] = [None] * len(program.values)
-    for vid, x in zip(program.inputs, program.flatten_args(args)):
-      env[vid] = x
-    for v in program.values:
-      if v.is_const:
-        env[v.id] = v.const
-    for op in program.ops:
-      outs = bind(op, [env[i] for i in op.inputs], op.params)
-      for vid, x in zip(op.outputs, outs):
-        s = constraints.get(vid)
-        env[vid] = x if s is None else lax.with_sharding_constraint(x, s)
-    return jax.tree_util.tree_unflatten(program.out_tree, [env[v] for v in program.outputs])
+    outs = program.evaluate(*program.flatten_args(args), on_result=constrain)
+    return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
   return JaxShardings(mesh, tuple(in_shardings), out_shardings, constrained)
 

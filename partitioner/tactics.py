@@ -16,7 +16,7 @@ import time
 from typing import ClassVar, NamedTuple, Sequence
 
 from partitioner import roles as R
-from partitioner.errors import PatternError, ScheduleError, ShardingError
+from partitioner.errors import PatternError, ScheduleError
 from partitioner.propagation import ShardingState
 
 
@@ -260,7 +260,6 @@ class ZeRO(Tactic):
         return None
       return max(options, key=lambda d: (not dims[d], v.shape[d], -d))
 
-    params = set(roles.params)
     chosen: dict[int, int | None] = {}
     if self.stage == 3:
       for p in roles.params:
@@ -278,7 +277,8 @@ class ZeRO(Tactic):
         ctx.tile(o, d, self.axis)
     skipped = [program.name(p) for p, d in chosen.items() if d is None]
     if skipped:
-      ctx.notes.append(f"left unsharded (no dimension divides by {m}): {', '.join(skipped[:5])}"
+      ctx.notes.append(f"not sharded over {self.axis} (no free dimension divides by {m}, or "
+                       f"already sharded on it): {', '.join(skipped[:5])}"
                        + (" ..." if len(skipped) > 5 else ""))
     if self.stage < 3:
       for p in roles.params:

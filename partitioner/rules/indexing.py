@@ -64,74 +64,74 @@ def _check(dn):
     raise Unsupported("gather/scatter with batching dims")
 
 
-@factor_rule("gather")
-def gather(op, program):
-  operand, indices = op.inputs
+def _index_factors(b, program, op, index_map, pointwise, batch_dims, other_f, masked_kind):
+  """Factors shared by gather and scatter-add: operand dims looked up point-wise (parallel if
+  their index is an iota, else `masked_kind`), and index batch dims paired with `batch_dims` of
+  the other tensor (the gather output / the scatter updates)."""
+  operand, indices = op.inputs[:2]
   os = program.values[operand].shape
   ishape = program.values[indices].shape
-  out = program.values[op.outputs[0]].shape
-  dn = op.params["dimension_numbers"]
-  _check(dn)
-  sizes = op.params["slice_sizes"]
-  b = FactorBuilder()
-  op_f, idx_f, out_f = [()] * len(os), [()] * len(ishape), [()] * len(out)
+  op_f, idx_f = [()] * len(os), [()] * len(ishape)
   if ishape[-1] > 1:
     idx_f[-1] = (b.new(ishape[-1], REPL),)
   iotas = iota_components(program, indices)
   parallel = {}
-  for k, d in enumerate(dn.start_index_map):
-    if d in dn.collapsed_slice_dims and os[d] > 1:
+  for k, d in enumerate(index_map):
+    if d in pointwise and os[d] > 1:
       j = iotas.get(k)
       if j is not None and ishape[j] == os[d]:
         parallel[j] = op_f[d] = (b.new(os[d]),)
       else:
-        op_f[d] = (b.new(os[d], SUM),)
-  batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
-  for j, o in enumerate(batch_out):
+        op_f[d] = (b.new(os[d], masked_kind),)
+  for j, o in enumerate(batch_dims):
     if ishape[j] > 1:
-      idx_f[j] = out_f[o] = parallel.get(j) or (b.new(ishape[j]),)
-  kept = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims]
-  for o, d in zip(dn.offset_dims, kept):
-    if sizes[d] == os[d] and os[d] > 1:
-      op_f[d] = out_f[o] = (b.new(os[d]),)
+      idx_f[j] = other_f[o] = parallel.get(j) or (
+          b.new(ishape[j], SUM if masked_kind == PASS else PASS),)
+  return op_f, idx_f
+
+
+def _window_factors(b, os, op_f, other_shape, other_f, pairs):
+  """Operand dims taken whole by a window dim of the other tensor pass through; others not."""
+  for o, d in pairs:
+    if other_shape[o] == os[d] and os[d] > 1:
+      op_f[d] = other_f[o] = (b.new(os[d]),)
     else:
       op_f[d] = (b.new(os[d], REPL),) if os[d] > 1 else ()
-      out_f[o] = (b.new(out[o], REPL),) if out[o] > 1 else ()
+      other_f[o] = (b.new(other_shape[o], REPL),) if other_shape[o] > 1 else ()
+
+
+@factor_rule("gather")
+def gather(op, program):
+  """Point-wise looked-up dims are parallel or masked (a partial sum); batch dims pass."""
+  dn = op.params["dimension_numbers"]
+  _check(dn)
+  os = program.values[op.inputs[0]].shape
+  out = program.values[op.outputs[0]].shape
+  b = FactorBuilder()
+  out_f = [()] * len(out)
+  batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
+  op_f, idx_f = _index_factors(b, program, op, dn.start_index_map, dn.collapsed_slice_dims,
+                               batch_out, out_f, SUM)
+  kept = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims]
+  _window_factors(b, os, op_f, out, out_f, zip(dn.offset_dims, kept))
   return b.build([op_f, idx_f], [out_f])
 
 
 @factor_rule("scatter-add")
 def scatter_add(op, program):
-  operand, indices, updates = op.inputs
-  os = program.values[operand].shape
-  ishape = program.values[indices].shape
-  us = program.values[updates].shape
+  """Point-wise written dims are parallel or masked (each device applies its own rows); the
+  update batch dims are summed."""
   dn = op.params["dimension_numbers"]
   _check(dn)
+  os = program.values[op.inputs[0]].shape
+  us = program.values[op.inputs[2]].shape
   b = FactorBuilder()
-  op_f, idx_f, upd_f = [()] * len(os), [()] * len(ishape), [()] * len(us)
-  if ishape[-1] > 1:
-    idx_f[-1] = (b.new(ishape[-1], REPL),)
-  iotas = iota_components(program, indices)
-  parallel = {}
-  for k, d in enumerate(dn.scatter_dims_to_operand_dims):
-    if d in dn.inserted_window_dims and os[d] > 1:
-      j = iotas.get(k)
-      if j is not None and ishape[j] == os[d]:
-        parallel[j] = op_f[d] = (b.new(os[d]),)
-      else:
-        op_f[d] = (b.new(os[d]),)  # masked: each device applies the updates for its rows.
+  upd_f = [()] * len(us)
   scatter_upd = [d for d in range(len(us)) if d not in dn.update_window_dims]
-  for j, u in enumerate(scatter_upd):
-    if ishape[j] > 1:
-      idx_f[j] = upd_f[u] = parallel.get(j) or (b.new(ishape[j], SUM),)
+  op_f, idx_f = _index_factors(b, program, op, dn.scatter_dims_to_operand_dims,
+                               dn.inserted_window_dims, scatter_upd, upd_f, PASS)
   kept = [d for d in range(len(os)) if d not in dn.inserted_window_dims]
-  for w, d in zip(dn.update_window_dims, kept):
-    if us[w] == os[d] and os[d] > 1:
-      op_f[d] = upd_f[w] = (b.new(os[d]),)
-    else:
-      op_f[d] = (b.new(os[d], REPL),) if os[d] > 1 else ()
-      upd_f[w] = (b.new(us[w], REPL),) if us[w] > 1 else ()
+  _window_factors(b, os, op_f, us, upd_f, zip(dn.update_window_dims, kept))
   return b.build([op_f, idx_f, upd_f], [op_f])
 
 
@@ -191,7 +191,7 @@ def _localize_indices(op, ctx, indices, index_map, pointwise):
   return jnp.stack(comps, axis=-1), mask, oob, masked
 
 
-def _all_first(ctx, axes_list) -> "jax.Array":
+def _all_first(ctx, axes_list):
   """True on the devices whose index along every given axis is 0."""
   first = None
   for axes in axes_list:

@@ -2,9 +2,6 @@
 
 import math
 
-import jax.numpy as jnp
-from jax import lax
-
 from partitioner.factors import PASS, REPL, FactorBuilder
 from partitioner.ir import bind
 from partitioner.rules import Unsupported, factor_rule, local_rule, shapes_of
