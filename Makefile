@@ -26,6 +26,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/bench_partitioner.py
+	$(PY) benchmarks/bench_cost_model.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,8 +12,10 @@ HELP = "partition a model with a tactic schedule; show shardings and collectives
 DESCRIPTION = """\
 Trace MODEL's training step, apply a schedule of tactics over a device mesh, and print the
 per-input shardings, the collectives the partitioner inserted, any ops that fell back to
-replication, and conflicts between tactics. --verify runs the explicit shard_map program and
-the jax.jit program on local devices against the unpartitioned program.
+replication, conflicts between tactics, and the predicted step time and memory per device on
+--hardware. --verify runs the explicit shard_map program and the jax.jit program on local
+devices against the unpartitioned program. Meshes of thousands of devices are fine: only
+--verify and --xla need real devices.
 
 MODEL is a corpus entry (mlp:small, gpt:small, gpt:layers=24,d_model=2048) or
 package.module:function / path/to/file.py:function returning (fn, example_args).
@@ -42,6 +44,12 @@ def add_parser(sub) -> None:
   p.add_argument("--mesh", required=True, help="named mesh axes, e.g. batch=4,model=2")
   p.add_argument("--tactics", required=True, help="tactic schedule, e.g. "
                  "'BatchParallel(batch); Megatron(model); ZeRO(batch, stage=3)'")
+  p.add_argument("--hardware", default="h100",
+                 help="catalog name (see 'shardzero hardware') or a YAML/JSON spec file; "
+                      "default h100")
+  p.add_argument("--order", metavar="AXES",
+                 help="mesh axes from major to minor in device numbering, e.g. model,batch "
+                      "(default: the mesh's order; minor axes fill a node first)")
   p.add_argument("--verify", action="store_true",
                  help="run both lowerings on local devices and compare with the unpartitioned "
                       "program")
@@ -56,9 +64,12 @@ def add_parser(sub) -> None:
 
 
 def _mesh_size(parser) -> int:
+  """Devices to create: the mesh's size when it will run (--verify, --xla), else 8."""
   import sys
   from partitioner.mesh import Mesh
   argv = sys.argv
+  if "--verify" not in argv and "--xla" not in argv:
+    return 8
   for i, a in enumerate(argv):
     text = argv[i + 1] if a == "--mesh" and i + 1 < len(argv) else (
         a.split("=", 1)[1] if a.startswith("--mesh=") else None)
@@ -75,8 +86,13 @@ def run(args) -> int:
   import partitioner
   from partitioner.partition import as_mesh
 
+  from partitioner.cost import Placement, load_hardware, simulate
+
   mesh = as_mesh(args.mesh)
   schedule = partitioner.parse_schedule(args.tactics)
+  hardware = load_hardware(args.hardware)
+  order = tuple(a.strip() for a in args.order.split(",")) if args.order else None
+  Placement(mesh, hardware, order)  # checks the order before the work starts
   t0 = time.perf_counter()
   workload = corpus.load(args.model)
   t1 = time.perf_counter()
@@ -85,8 +101,11 @@ def run(args) -> int:
   pp = partitioner.apply(program, mesh, schedule)
   pp.plan  # derived here so that the partition time includes it
   t3 = time.perf_counter()
-  result = {"model": args.model, **pp.summary(),
-            "timing_s": {"build": t1 - t0, "trace": t2 - t1, "partition": t3 - t2}}
+  cost = simulate(pp, hardware, order)
+  t4 = time.perf_counter()
+  result = {"model": args.model, **pp.summary(), "cost": cost.to_dict(),
+            "timing_s": {"build": t1 - t0, "trace": t2 - t1, "partition": t3 - t2,
+                         "simulate": t4 - t3}}
   verification = None
   if args.verify:
     from partitioner.verify import verify
@@ -103,7 +122,7 @@ def run(args) -> int:
     report.write_json(result, args.json)
     if args.json == "-":
       return 0 if verification is None or verification.ok else 1
-  _print(args, pp, result, verification, xla)
+  _print(args, pp, result, verification, xla, cost)
   return 0 if verification is None or verification.ok else 1
 
 
@@ -123,7 +142,27 @@ def _side_by_side(pp, xla):
           for (k, a), (p, pb, x, xb) in sorted(rows.items())]
 
 
-def _print(args, pp, result, verification, xla) -> None:
+def _print_cost(out, cost) -> None:
+  h = report.human_bytes
+  ms = lambda s: f"{s * 1e3:.2f} ms"
+  layout = ", ".join(f"{a}: {level}" for a, level in cost.placement.items())
+  out.print(f"predicted on {cost.hardware} ({layout}): step {ms(cost.step_time_s)} = compute "
+            f"{ms(cost.compute_s)} + exposed communication {ms(cost.exposed_comm_s)} "
+            f"({ms(cost.comm_s)} of collectives in all)")
+  m = cost.memory
+  status = "[green]fits[/green]" if m.fits else "[red]does not fit[/red]"
+  parts = ", ".join(f"{k.replace('_', ' ')} {h(v)}" for k, v in m.breakdown.items())
+  out.print(f"memory per device: peak {h(m.peak_bytes)} of {h(m.capacity_bytes)}, {status} "
+            f"(at the peak: {parts})")
+  rows = [(d["kind"], "+".join(d["axes"]), d["decomposition"], d["count"], h(d["bytes"]),
+           ms(d["seconds"]), ms(d["exposed_seconds"])) for d in cost.decompositions()]
+  if rows:
+    out.print(report.table("collective time per device", ["kind", "axes", "run as", "count",
+                                                           "bytes", "time", "exposed"], rows,
+                           justify={3: "right", 4: "right", 5: "right", 6: "right"}))
+
+
+def _print(args, pp, result, verification, xla, cost) -> None:
   from partitioner.collectives import summarize
   out = report.console()
   p = pp.program
@@ -170,8 +209,11 @@ def _print(args, pp, result, verification, xla) -> None:
               + ":")
     for c in shown:
       out.print(f"  {c}")
+  out.print()
+  _print_cost(out, cost)
   t = result["timing_s"]
-  out.print(f"\ntrace {t['trace']*1e3:.0f} ms, partition {t['partition']*1e3:.0f} ms")
+  out.print(f"\ntrace {t['trace']*1e3:.0f} ms, partition {t['partition']*1e3:.0f} ms, "
+            f"simulate {t['simulate']*1e3:.0f} ms")
   if verification is not None:
     status = "[green]OK[/green]" if verification.ok else "[red]MISMATCH[/red]"
     errs = ", ".join(f"{k} {v:.2e}" for k, v in verification.errors.items())

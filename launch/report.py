@@ -37,7 +37,9 @@ def group_rows(rows: Iterable[tuple[str, tuple, str]]) -> list[tuple[str, tuple,
 
 
 def console() -> Console:
-  return Console(highlight=False, soft_wrap=True)
+  """A console that does not fold tables at 80 columns when the output is not a terminal."""
+  width = None if sys.stdout.isatty() else 160
+  return Console(highlight=False, soft_wrap=True, width=width)
 
 
 def table(title: str, columns: list[str], rows: Iterable[Iterable], justify=None) -> Table:

@@ -41,6 +41,7 @@ class Collective(NamedTuple):
   value: int
   op: int
   reduce: str = "sum"
+  copy: int = -1        # the resharded operand copy it makes (-1: it reshards op's result)
 
 
 def _common(a: Axes, b: Axes) -> int:

@@ -95,18 +95,18 @@ def _spmd_body(pp) -> Callable:
     for vid, x in zip(program.inputs, local_inputs):
       env[vid] = x
     cache: dict = {}
+    copy_of = plan.copy_of
     for op, op_plan in zip(program.ops, plan.ops):
       args = []
       for k, vid in enumerate(op.inputs):
         x = env[vid]
         if x is None:
           x = jnp.asarray(program.values[vid].const)
-        steps = op_plan.operand_steps[k]
-        if steps:
-          key = (vid, op_plan.operand_dims[k])
-          if key not in cache:
-            cache[key] = run_steps(x, steps, sizes)
-          x = cache[key]
+        c = copy_of.get((op.index, k), -1)
+        if c >= 0:
+          if c not in cache:
+            cache[c] = run_steps(x, op_plan.operand_steps[k], sizes)
+          x = cache[c]
         args.append(x)
       rule = LOCAL_RULES.get(op.name)
       if rule is not None:

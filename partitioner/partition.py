@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Mapping, Sequence
 
 from partitioner.collectives import Collective, summarize
@@ -30,15 +31,25 @@ def as_tactics(schedule: str | Tactic | Sequence[Tactic]) -> list[Tactic]:
 
 class PartitionedProgram:
   """A program, a mesh, and the shardings a schedule of tactics chose. Immutable: `apply`
-  returns a new one, so a search can branch from any point."""
+  returns a new one, so a search can branch from any point. While the program it was applied
+  to is alive, what is derived from it (the plan, costs) is updated rather than recomputed."""
 
   def __init__(self, program: Program, mesh: Mesh, state: ShardingState | None = None,
-               schedule: Sequence[Tactic] = (), reports: Sequence[TacticReport] = ()):
+               schedule: Sequence[Tactic] = (), reports: Sequence[TacticReport] = (),
+               parent: "PartitionedProgram | None" = None):
     self.program = program
     self.mesh = mesh
     self.state = state if state is not None else ShardingState(program, mesh)
     self.schedule = tuple(schedule)
     self.reports = tuple(reports)
+    self._parent = weakref.ref(parent) if parent is not None else None
+    self.derived: dict = {}   # caches of what is computed from the shardings (cost model)
+
+  @property
+  def parent(self) -> "PartitionedProgram | None":
+    """The program this one was applied to, if it is still alive; `state.changed` says which
+    values differ from it."""
+    return self._parent() if self._parent is not None else None
 
   def apply(self, schedule: str | Tactic | Sequence[Tactic]) -> "PartitionedProgram":
     state = self.state.copy()
@@ -48,11 +59,14 @@ class PartitionedProgram:
       tactic.apply(ctx)
       done.append(tactic)
       reports.append(ctx.report(tactic))
-    return PartitionedProgram(self.program, self.mesh, state, done, reports)
+    return PartitionedProgram(self.program, self.mesh, state, done, reports, parent=self)
 
   # --------------------------------------------------------------------------- results
   @functools.cached_property
   def plan(self) -> Plan:
+    parent = self.parent
+    if parent is not None and "plan" in parent.__dict__:
+      return make_plan(self.state, parent.plan)
     return make_plan(self.state)
 
   @property

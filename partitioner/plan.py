@@ -5,6 +5,10 @@ same merge propagation uses), reads its operands in the layout those axes imply 
 where a value is laid out otherwise), produces a local result that is partial over the axes of
 its sharded reduction factors, and reshards that into the value's own sharding. Both lowerings
 and the cost model read this plan, so the collectives they see are the same.
+
+A resharded copy of a value is made once and shared by the ops that read that layout, but not
+kept from the forward pass into the backward pass: as FSDP does, a gathered parameter is
+gathered again for the backward, and activations are kept in their own (smaller) sharding.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import NamedTuple
 from partitioner.collectives import SLICE, Collective, Step, reshard_steps
 from partitioner.factors import REDUCE_OF_KIND, join_dim
 from partitioner.propagation import ShardingState
+from partitioner.roles import forward_ops
 from partitioner.sharding import Dims, Sharding
 
 
@@ -24,10 +29,25 @@ class OpPlan(NamedTuple):
   operand_steps: tuple[tuple[Step, ...], ...]
   result_steps: tuple[tuple[Step, ...], ...]
 
+  @property
+  def communicates(self) -> bool:
+    return any(self.operand_steps) or any(self.result_steps)
+
+
+class Copy(NamedTuple):
+  """A resharded copy of a value: made before op `first`, last read by op `last`."""
+  value: int
+  dims: Dims
+  first: int
+  last: int
+
 
 class Plan(NamedTuple):
   ops: list[OpPlan]
   collectives: list[Collective]
+  copies: list[Copy]
+  copy_of: dict[tuple[int, int], int]     # (op, operand position) -> the copy it reads
+  communicating: list[int]                # ops with operand or result steps, in order
 
 
 def _dims(dfs, fac_axes, fsizes, mesh) -> Dims:
@@ -35,45 +55,75 @@ def _dims(dfs, fac_axes, fsizes, mesh) -> Dims:
                join_dim(fl, fac_axes, fsizes, mesh) for fl in dfs)
 
 
-def _record(collectives, steps, vid, op):
+def _record(collectives, steps, vid, op, copy=-1):
   for s in steps:
     if s.kind != SLICE:
-      collectives.append(Collective(s.kind, s.axes, s.bytes, vid, op, s.reduce))
+      collectives.append(Collective(s.kind, s.axes, s.bytes, vid, op, s.reduce, copy))
 
 
-def make_plan(state: ShardingState) -> Plan:
-  program, table, mesh = state.program, state.table, state.sizes
-  values = program.values
-  plans: list[OpPlan] = []
+def _op_plan(state: ShardingState, op) -> OpPlan:
+  values, mesh = state.program.values, state.sizes
+  fac, tensors, n_in, _ = state.table[op.index]
+  fac_axes = tuple(state.merge(op.index))
+  operand_dims = tuple(_dims(dfs, fac_axes, fac.sizes, mesh) for _, dfs in tensors[:n_in])
+  partial, reduce = (), "sum"
+  for f, kind in enumerate(fac.kinds):
+    if kind in REDUCE_OF_KIND and fac_axes[f]:
+      partial += fac_axes[f]
+      reduce = REDUCE_OF_KIND[kind]
+  results = tuple(Sharding(_dims(dfs, fac_axes, fac.sizes, mesh), partial, reduce)
+                  for _, dfs in tensors[n_in:])
+  operand_steps = []
+  for vid, want in zip(op.inputs, operand_dims):
+    v = values[vid]
+    have = ((),) * v.rank if v.is_const else state.dims[vid]
+    operand_steps.append(reshard_steps(v.shape, v.dtype.itemsize, have, (), "sum", want, mesh))
+  result_steps = tuple(
+      reshard_steps(values[vid].shape, values[vid].dtype.itemsize, local.dims, local.partial,
+                    local.reduce, state.dims[vid], mesh)
+      for vid, local in zip(op.outputs, results))
+  return OpPlan(fac_axes, operand_dims, results, tuple(operand_steps), result_steps)
+
+
+def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
+  """The plan for `state`; with `base`, the plan of the state it was copied from, only the ops
+  that read or write a changed value are planned again."""
+  program = state.program
+  if base is None:
+    ops = [_op_plan(state, op) for op in program.ops]
+    communicating = [i for i, p in enumerate(ops) if p.communicates]
+  else:
+    ops = list(base.ops)
+    users, values = program.users, program.values
+    todo = set()
+    for v in state.changed:
+      if values[v].producer is not None:
+        todo.add(values[v].producer)
+      todo.update(users[v])
+    for i in todo:
+      ops[i] = _op_plan(state, program.ops[i])
+    communicating = sorted({i for i in base.communicating if i not in todo} |
+                           {i for i in todo if ops[i].communicates})
+  # Copies and collectives, in program order.
   collectives: list[Collective] = []
-  done: set = set()
-  for op in program.ops:
-    fac, tensors, n_in, _ = table[op.index]
-    fac_axes = tuple(state.merge(op.index))
-    operand_dims = tuple(_dims(dfs, fac_axes, fac.sizes, mesh) for _, dfs in tensors[:n_in])
-    partial, reduce = (), "sum"
-    for f, kind in enumerate(fac.kinds):
-      if kind in REDUCE_OF_KIND and fac_axes[f]:
-        partial += fac_axes[f]
-        reduce = REDUCE_OF_KIND[kind]
-    results = tuple(Sharding(_dims(dfs, fac_axes, fac.sizes, mesh), partial, reduce)
-                    for _, dfs in tensors[n_in:])
-    operand_steps = []
-    for vid, want in zip(op.inputs, operand_dims):
-      v = values[vid]
-      have = ((),) * v.rank if v.is_const else state.dims[vid]
-      steps = reshard_steps(v.shape, v.dtype.itemsize, have, (), "sum", want, mesh)
-      if steps and (vid, want) not in done:
-        done.add((vid, want))
-        _record(collectives, steps, vid, op.index)
-      operand_steps.append(steps)
-    result_steps = []
-    for vid, local in zip(op.outputs, results):
-      v = values[vid]
-      steps = reshard_steps(v.shape, v.dtype.itemsize, local.dims, local.partial, local.reduce,
-                            state.dims[vid], mesh)
-      _record(collectives, steps, vid, op.index)
-      result_steps.append(steps)
-    plans.append(OpPlan(fac_axes, operand_dims, results, tuple(operand_steps),
-                        tuple(result_steps)))
-  return Plan(plans, collectives)
+  copies: list[Copy] = []
+  copy_of: dict = {}
+  made: dict = {}           # (value, layout, in forward pass) -> copy
+  forward = forward_ops(program)
+  for i in communicating:
+    op, op_plan = program.ops[i], ops[i]
+    for k, (vid, want, steps) in enumerate(zip(op.inputs, op_plan.operand_dims,
+                                               op_plan.operand_steps)):
+      if steps:
+        key = (vid, want, i in forward)
+        c = made.get(key)
+        if c is None:
+          c = made[key] = len(copies)
+          copies.append(Copy(vid, want, i, i))
+          _record(collectives, steps, vid, i, c)
+        else:
+          copies[c] = copies[c]._replace(last=i)
+        copy_of[(i, k)] = c
+    for vid, steps in zip(op.outputs, op_plan.result_steps):
+      _record(collectives, steps, vid, i)
+  return Plan(ops, collectives, copies, copy_of, communicating)

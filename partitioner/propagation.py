@@ -94,7 +94,8 @@ class ShardingState:
   """Per-value shardings with their origins and the axes tactics forbade. Cheap to copy.
 
   `prio[v]` is the earliest phase (one tile-then-propagate round of a tactic) that sharded v;
-  merges let earlier phases win.
+  merges let earlier phases win. `changed` holds the values whose sharding or priority changed
+  since the state was copied, so what is derived from the copy's source can be updated.
   """
 
   def __init__(self, program: Program, mesh: Mesh):
@@ -109,6 +110,7 @@ class ShardingState:
     self.conflicts: list[Conflict] = []
     self._conflict_keys: set = set()
     self.phase = 0  # priority of what is tiled now: earlier phases win merges.
+    self.changed: set[int] = set(range(len(program.values)))
 
   def copy(self) -> "ShardingState":
     new = object.__new__(ShardingState)
@@ -120,6 +122,7 @@ class ShardingState:
     new.conflicts = list(self.conflicts)
     new._conflict_keys = set(self._conflict_keys)
     new.phase = self.phase
+    new.changed = set()
     return new
 
   def sharding(self, vid: int) -> Sharding:
@@ -198,6 +201,7 @@ class ShardingState:
 
   def _set(self, vid: int, dims: Dims, added: Axes, origin: Origin) -> None:
     self.dims[vid] = dims
+    self.changed.add(vid)
     for a in added:
       self.origin[(vid, a)] = origin
     if self.phase < self.prio[vid]:
@@ -326,6 +330,7 @@ class ShardingState:
             self.origin[(v, a)] = Origin(tactic, index)
         if new is not None:
           dims[v] = tuple(new)
+          self.changed.add(v)
           if self.phase < self.prio[v]:
             self.prio[v] = self.phase
           push(v, skip=index)

@@ -84,6 +84,7 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)
 def forward_ops(program: Program) -> frozenset[int]:
   """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on."""
   targets = [v for i, v in enumerate(program.outputs) if i not in program.aliases]

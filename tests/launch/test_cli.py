@@ -98,3 +98,45 @@ def test_console_script_help_and_exit_code():
   assert done.returncode == 2 and "Traceback" not in done.stderr
   assert done.stderr.strip().splitlines() == [
       "shardzero partition: error: unknown mesh axis 'model'; the mesh has x"]
+
+
+def test_partition_reports_the_cost_on_the_chosen_hardware(capsys):
+  code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "batch=8,model=8", "--tactics",
+                     "BatchParallel(batch); Megatron(model)", "--hardware", "h100", "--json", "-")
+  cost = json.loads(out)["cost"]
+  assert code == 0
+  assert {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes", "fits",
+          "decompositions"} <= set(cost)
+  assert cost["hardware"] == "h100" and cost["fits"] is True
+  assert cost["placement"] == {"batch": "inter", "model": "intra"}
+  assert {d["decomposition"] for d in cost["decompositions"]} == {"all-reduce(NVLink)",
+                                                                  "all-reduce(InfiniBand)"}
+  code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "batch=8,model=8", "--tactics",
+                     "BatchParallel(batch); Megatron(model)", "--order", "model,batch")
+  assert code == 0 and "predicted on h100 (batch: intra, model: inter)" in out
+  assert "does not fit" not in out and "memory per device: peak" in out
+
+
+def test_large_meshes_are_simulated_without_devices(capsys):
+  code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "data=64,model=8",
+                     "--tactics", "BatchParallel(data); Megatron(model)", "--hardware", "tpu-v4",
+                     "--json", "-")
+  assert code == 0 and json.loads(out)["cost"]["step_time_s"] > 0
+
+
+def test_hardware_lists_the_catalog_and_shows_a_spec(capsys):
+  code, out, _ = run(capsys, "hardware")
+  assert code == 0 and "tpu-v5p" in out and "a100-40gb" in out and "InfiniBand" in out
+  code, out, _ = run(capsys, "hardware", "--show", "h100")
+  assert code == 0 and out.startswith("name: h100\n") and "node_size: 8" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hardware", "h200"], "unknown hardware 'h200'"),
+    (["--hardware", "tests/launch/user_model.py"], "unknown hardware"),
+    (["--order", "batch,nothing"], "must name each mesh axis"),
+])
+def test_bad_hardware_is_one_line_and_exit_code_2(capsys, argv, message):
+  code, _, err = run(capsys, "partition", "mlp:small", "--mesh", "batch=8", "--tactics",
+                     "BatchParallel(batch)", *argv)
+  assert code == 2 and message in err and err.count("\n") == 1

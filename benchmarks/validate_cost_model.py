@@ -1,0 +1,201 @@
+"""Checks the cost model against what XLA compiles and against measured runs; writes
+docs/validation.md and benchmarks/results/validation.json.
+
+1. Collectives: per model and strategy, bytes per kind the partitioner predicts next to the
+   compiled jax.jit program's HLO (XLA's own partitioning) and the compiled shard_map program.
+2. Memory per device: argument bytes and the peak footprint (no donation, as compiled) next
+   to XLA's memory_analysis() (arguments + outputs + temporaries - aliases).
+3. Step time: every strategy run on the local devices (median of --repeat runs) next to the
+   prediction for --hardware (default: the host CPU spec; on a GPU machine use its name), and
+   the Spearman rank correlation per model. On CPU devices absolute numbers mean little; the
+   ordering is what is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
+    "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy import stats  # noqa: E402
+
+import corpus  # noqa: E402
+import partitioner as P  # noqa: E402
+from partitioner.cost import simulate  # noqa: E402
+from partitioner.hlo import hlo_collectives  # noqa: E402
+
+CHECKED = {  # the strategies of the partitioner's tests, on 8 devices
+    "batch parallel 8": ("batch=8", "BatchParallel(batch)"),
+    "Megatron 8": ("model=8", "Megatron(model)"),
+    "batch 2 x model 4": ("batch=2,model=4", "BatchParallel(batch); Megatron(model)"),
+    "ZeRO-3 8": ("batch=8", "ZeRO(batch, stage=3)"),
+    "batch 4 x model 2, ZeRO-1": ("batch=4,model=2",
+                                  "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=1)"),
+}
+TIMED = {  # a spread of strategies to rank, including poor ones
+    "replicated": ("batch=8", ""),
+    "batch parallel 8": ("batch=8", "BatchParallel(batch)"),
+    "Megatron 8": ("model=8", "Megatron(model)"),
+    "batch 2 x model 4": ("batch=2,model=4", "BatchParallel(batch); Megatron(model)"),
+    "batch 4 x model 2": ("batch=4,model=2", "BatchParallel(batch); Megatron(model)"),
+    "ZeRO-3 8": ("batch=8", "ZeRO(batch, stage=3)"),
+    "batch 4 x model 2, ZeRO-1": ("batch=4,model=2",
+                                  "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=1)"),
+    "batch 2 on a 2 x 4 mesh": ("batch=2,model=4", "BatchParallel(batch)"),
+    "Megatron 2 on a 4 x 2 mesh": ("batch=4,model=2", "Megatron(model)"),
+}
+MODELS_CHECKED = ["mlp:small", "gpt:small", "gpt:small,batch=32,seq=64"]
+MODELS_TIMED = ["mlp:small,width=1024,batch=256", "gpt:small,d_model=128,batch=16,seq=64"]
+
+
+def by_kind(collectives, constant_aware=False):
+  out: dict = {}
+  for c in collectives:
+    if constant_aware and c.from_constant:
+      continue
+    out[c.kind] = out.get(c.kind, 0) + c.bytes
+  return out
+
+
+def footprint(analysis) -> int:
+  return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
+          analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+
+
+def check(model):
+  workload = corpus.load(model)
+  program = P.trace(workload.fn, *workload.args)
+  rows = []
+  for name, (mesh, schedule) in CHECKED.items():
+    pp = P.apply(program, mesh, schedule)
+    jmesh = pp.mesh.to_jax()
+    jitted = pp.jit(jmesh).lower(*workload.args).compile()
+    spmd = jax.jit(pp.lower_spmd(jmesh)).lower(*workload.args).compile()
+    cost = simulate(pp, "cpu", donate=False)
+    rows.append({
+        "model": model, "strategy": name, "schedule": schedule,
+        "predicted": by_kind(pp.collectives),
+        "xla_jit": by_kind(hlo_collectives(jitted.as_text(), pp.mesh), True),
+        "xla_shard_map": by_kind(hlo_collectives(spmd.as_text(), pp.mesh), True),
+        "argument_bytes": cost.memory.argument_bytes,
+        "xla_argument_bytes": jitted.memory_analysis().argument_size_in_bytes,
+        "peak_bytes": cost.memory.peak_bytes,
+        "xla_jit_footprint": footprint(jitted.memory_analysis()),
+        "xla_shard_map_footprint": footprint(spmd.memory_analysis()),
+    })
+    print(f"checked {model} / {name}", flush=True)
+  return rows
+
+
+def measure(model, hardware, repeat):
+  workload = corpus.load(model)
+  program = P.trace(workload.fn, *workload.args)
+  rows = []
+  for name, (mesh, schedule) in TIMED.items():
+    pp = P.apply(program, mesh, schedule)
+    fn = pp.jit(pp.mesh.to_jax())
+    args = workload.args
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeat):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t)
+    predicted = simulate(pp, hardware).step_time_s
+    rows.append({"model": model, "strategy": name, "schedule": schedule,
+                 "measured_s": float(np.median(times)), "predicted_s": predicted})
+    print(f"timed {model} / {name}: {np.median(times) * 1e3:.1f} ms, "
+          f"predicted {predicted * 1e3:.1f} ms", flush=True)
+  rho = stats.spearmanr([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
+  return rows, float(rho.statistic)
+
+
+def ratio(a, b):
+  return f"{a / b:.2f}" if b else ("1.00" if not a else "n/a")
+
+
+def render(checked, timed, correlations, hardware, device) -> str:
+  kb = lambda n: f"{n / 1024:.1f}"
+  lines = ["# Cost model validation", "",
+           "Generated by `benchmarks/validate_cost_model.py` (do not edit by hand). Everything "
+           "runs on 8 host CPU devices "
+           "(`--xla_force_host_platform_device_count=8`), jaxlib " + jax.__version__ + ".", "",
+           "## Collectives: predicted vs compiled (KiB per device)", "",
+           "XLA:CPU forms no reduce-scatter: it all-reduces and slices, so predicted "
+           "reduce-scatters are compared with XLA's all-reduces under `reduction` (all-reduce + "
+           "reduce-scatter). XLA collectives of broadcast constants (no data) are left out. "
+           "The shard_map program runs the partitioner's plan and must match it exactly; the jit "
+           "program is XLA's own partitioning under the partitioner's sharding constraints, and "
+           "its differences are explained in `tests/partitioner/test_strategies.py`.", "",
+           "| model | strategy | kind | predicted | XLA jit | ratio | XLA shard_map |",
+           "|---|---|---|---:|---:|---:|---:|"]
+  for r in checked:
+    p, j, s = (dict(x) for x in (r["predicted"], r["xla_jit"], r["xla_shard_map"]))
+    for d in (p, j, s):
+      d["reduction"] = d.pop("all-reduce", 0) + d.pop("reduce-scatter", 0)
+    for kind in sorted(set(p) | set(j) | set(s)):
+      if p.get(kind, 0) or j.get(kind, 0) or s.get(kind, 0):
+        lines.append(f"| {r['model']} | {r['strategy']} | {kind} | {kb(p.get(kind, 0))} | "
+                     f"{kb(j.get(kind, 0))} | {ratio(j.get(kind, 0), p.get(kind, 0))} | "
+                     f"{kb(s.get(kind, 0))} |")
+  lines += ["", "## Memory per device (KiB)", "",
+            "Arguments are exact. The peak is the simulator's liveness footprint without "
+            "donation (the compiled programs donate nothing), next to XLA's arguments + outputs "
+            "+ temporaries - aliases.", "",
+            "| model | strategy | arguments | XLA | peak | XLA jit | ratio | XLA shard_map | "
+            "ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+  for r in checked:
+    lines.append(f"| {r['model']} | {r['strategy']} | {kb(r['argument_bytes'])} | "
+                 f"{kb(r['xla_argument_bytes'])} | {kb(r['peak_bytes'])} | "
+                 f"{kb(r['xla_jit_footprint'])} | {ratio(r['peak_bytes'], r['xla_jit_footprint'])}"
+                 f" | {kb(r['xla_shard_map_footprint'])} | "
+                 f"{ratio(r['peak_bytes'], r['xla_shard_map_footprint'])} |")
+  if timed:
+    lines += ["", f"## Step time: predicted ({hardware}) vs measured on {device}", "",
+              "| model | strategy | measured ms | predicted ms |", "|---|---|---:|---:|"]
+    for r in timed:
+      lines.append(f"| {r['model']} | {r['strategy']} | {r['measured_s'] * 1e3:.1f} | "
+                   f"{r['predicted_s'] * 1e3:.2f} |")
+    lines += ["", "Spearman rank correlation of predicted and measured step times:", ""]
+    lines += [f"- {m}: {rho:.2f}" for m, rho in correlations.items()]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--hardware", default="cpu", help="spec to predict the timed runs with")
+  parser.add_argument("--repeat", type=int, default=5)
+  parser.add_argument("--no-timing", action="store_true", help="skip the measured runs")
+  parser.add_argument("--out", default="docs/validation.md")
+  args = parser.parse_args(argv)
+  checked = [row for m in MODELS_CHECKED for row in check(m)]
+  timed, correlations = [], {}
+  if not args.no_timing:
+    for m in MODELS_TIMED:
+      rows, rho = measure(m, args.hardware, args.repeat)
+      timed += rows
+      correlations[m] = rho
+  device = f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices"
+  Path(args.out).write_text(render(checked, timed, correlations, args.hardware, device))
+  results = Path("benchmarks/results/validation.json")
+  results.parent.mkdir(parents=True, exist_ok=True)
+  results.write_text(json.dumps({"checked": checked, "timed": timed,
+                                 "spearman": correlations}, indent=2) + "\n")
+  print(f"wrote {args.out} and {results}")
+  for m, rho in correlations.items():
+    print(f"spearman {m}: {rho:.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,245 @@
+"""Compute time per device: a roofline per fused kernel.
+
+Each op's global work (FLOPs) is computed once from the program; under a sharding the local
+work is the global work divided by how finely the factors that index the op's iteration space
+are split. Chains of elementwise, shape and reduction ops fuse as XLA fuses them: values passed
+inside a fusion never reach HBM, so a fused kernel's memory traffic is what crosses its
+boundary. A kernel takes max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from partitioner import roles as R
+from partitioner.ir import Program
+from partitioner.rules.elementwise import NARY, UNARY
+
+_ELEMENTWISE = set(UNARY) | set(NARY)
+_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+           "argmax", "argmin"}
+_SCANS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+_SHAPE = {"broadcast_in_dim", "reshape", "squeeze", "transpose", "iota", "concatenate", "slice",
+          "pad", "dynamic_slice", "rev"}
+FUSIBLE = _ELEMENTWISE | _REDUCE | _SHAPE
+_MOVABLE = _ELEMENTWISE | _SHAPE
+
+
+class OpWork(NamedTuple):
+  flops: float            # global
+  kind: str               # "matmul", "conv", "vector" or "memory" (moves data only)
+  dtype: str
+  work_tensor: int        # tensor whose factors index the work (-1: all factors of the op)
+
+
+def _work(op, program) -> OpWork:
+  vals = program.values
+  out = vals[op.outputs[0]] if op.outputs else None
+  dtype = vals[op.inputs[0]].dtype.name if op.inputs else (out.dtype.name if out else "float32")
+  name = op.name
+  if name == "dot_general":
+    (lc, _), _ = op.params["dimension_numbers"]
+    contract = math.prod(vals[op.inputs[0]].shape[d] for d in lc)
+    return OpWork(2.0 * out.size * contract, "matmul", dtype, -1)
+  if name == "conv_general_dilated":
+    rhs = vals[op.inputs[1]]
+    rhs_spec = op.params["dimension_numbers"][1]
+    per_output = rhs.shape[rhs_spec[1]] * math.prod(rhs.shape[d] for d in rhs_spec[2:])
+    return OpWork(2.0 * out.size * per_output, "conv", dtype, -1)
+  if name in _ELEMENTWISE:
+    return OpWork(float(out.size), "vector", dtype, -1)
+  if name in _REDUCE or name in _SCANS:
+    return OpWork(float(vals[op.inputs[0]].size), "vector", dtype, 0)
+  if name == "sort":
+    n = vals[op.inputs[0]].shape[op.params["dimension"]]
+    return OpWork(float(vals[op.inputs[0]].size) * max(1.0, math.log2(max(n, 2))), "vector",
+                  dtype, 0)
+  if name == "gather":
+    return OpWork(0.0, "memory", dtype, len(op.inputs))  # the output indexes the work
+  if name == "scatter-add":
+    return OpWork(float(vals[op.inputs[2]].size), "vector", dtype, 2)
+  return OpWork(0.0, "memory", dtype, -1)
+
+
+class ProgramWork:
+  """What the cost of a program depends on that no sharding changes; computed once."""
+
+  def __init__(self, program: Program):
+    self.program = program
+    ops = program.ops
+    self.work = [_work(op, program) for op in ops]
+    self.producer = np.array([-1 if v.producer is None else v.producer for v in program.values],
+                             np.int64)
+    fusible = [op.name in FUSIBLE for op in ops]
+    outputs = set(program.outputs)
+    users = program.users
+    # Fused kernels are runs of fusible ops, consecutive in the order they run, joined by values
+    # passed inside the run.
+    # A value stays in a kernel when a fusible op makes it and all its readers are in the same
+    # kernel; reductions end a kernel (their result is needed whole before it is used), and a
+    # value a reduction reads stays in memory if anything else reads it too (softmax's exp).
+    is_reduce = [op.name in _REDUCE for op in ops]
+    candidate = np.zeros(len(program.values), bool)
+    for op in ops:
+      if fusible[op.index] and not is_reduce[op.index]:
+        for v in op.outputs:
+          readers = users[v]
+          candidate[v] = (v not in outputs and bool(readers) and
+                          all(fusible[u] for u in readers) and
+                          not (len(readers) > 1 and any(is_reduce[u] for u in readers)))
+    self.order = _run_order(program)
+    group, current, previous = [0] * len(ops), -1, -1
+    for i in self.order:
+      op = ops[i]
+      joins = (fusible[i] and current >= 0 and previous >= 0 and fusible[previous] and
+               any(candidate[v] and group[self.producer[v]] == current for v in op.inputs
+                   if self.producer[v] >= 0))
+      if not joins:
+        current += 1
+      group[i] = current
+      previous = i
+    self.internal = np.zeros(len(program.values), bool)
+    for v in np.nonzero(candidate)[0]:
+      g = group[self.producer[v]]
+      self.internal[v] = all(group[u] == g for u in users[v])
+    self.group = np.array(group, np.int64)    # the fused kernel of each op, numbered in run order
+    self.groups = current + 1
+    # Arrays for the costs of ops that read and write their values as they are laid out.
+    self.global_flops = np.array([w.flops for w in self.work])
+    self.value_bytes = np.array([v.nbytes for v in program.values], np.float64)
+    self.is_const = np.array([v.is_const for v in program.values], bool)
+    self.work_value = np.array([_work_value(op, w) for op, w in zip(ops, self.work)], np.int64)
+    edges = [(op.index, v) for op in ops for v in op.inputs if not self.internal[v]]
+    self.read_op, self.read_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
+        if edges else (np.zeros(0, np.int64),) * 2
+    edges = [(op.index, v) for op in ops for v in op.outputs if not self.internal[v]]
+    self.write_op, self.write_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
+        if edges else (np.zeros(0, np.int64),) * 2
+
+  @staticmethod
+  @functools.lru_cache(maxsize=8)
+  def of(program: Program) -> "ProgramWork":
+    return ProgramWork(program)
+
+
+def _run_order(program: Program) -> list[int]:
+  """The order ops run in: program order, reordered as XLA's scheduler does to overlap
+  gradient reductions with the backward pass. Cheap backward ops (elementwise, shape) run just
+  before their first reader, so a gradient's transpose does not wait for its reduction inside
+  the backward pass; and the optimizer update (ops downstream of optimizer state or writing only
+  updated state, that nothing else reads) runs last, in the order its gradients are ready."""
+  ops, values, users = program.ops, program.values, program.users
+  n = len(ops)
+  roles = R.roles(program)
+  forward = R.forward_ops(program)
+  state_out = {o for i, o in enumerate(program.outputs) if i in program.aliases}
+  downstream = R.depends_on(program, tuple(roles.opt_state))
+  tail = [op.index not in forward and (
+      any(v in downstream for v in op.outputs) or
+      (bool(op.outputs) and all(v in state_out for v in op.outputs))) for op in ops]
+  for op in reversed(ops):   # nothing outside the tail may read it
+    if tail[op.index] and any(not tail[u] for v in op.outputs for u in users[v]):
+      tail[op.index] = False
+  key = [float(i) for i in range(n)]
+  for op in ops:             # the update, in the order the ops it waits for finish
+    if tail[op.index]:
+      r = 0.0
+      for v in op.inputs:
+        p = values[v].producer
+        if p is not None:
+          r = max(r, key[p] if tail[p] else p + n)
+      key[op.index] = r
+  for op in reversed(ops):
+    if not tail[op.index] and op.index not in forward and op.name in _MOVABLE:
+      readers = [key[u] for v in op.outputs for u in users[v]]
+      if readers:
+        key[op.index] = min(readers) - 0.5
+  return sorted(range(n), key=lambda i: (key[i], i))
+
+
+def _work_value(op, w: OpWork) -> int:
+  """The value whose local size divides the op's work when nothing is resharded (-1: none)."""
+  if not w.flops:
+    return -1
+  tensors = list(op.inputs) + list(op.outputs)
+  if w.work_tensor < 0:
+    return op.outputs[0] if op.outputs else -1
+  return tensors[w.work_tensor]
+
+
+def op_cost(op, op_plan, w: OpWork, table, work: ProgramWork, dims, count) -> tuple[float, float]:
+  """Local FLOPs and HBM bytes of one op, from its factors and plan: the reference that the
+  simulator's array computation is tested against."""
+  flops = 0.0
+  if w.flops:
+    shard = 1
+    if w.work_tensor < 0:
+      for ax in op_plan.fac_axes:
+        if ax:
+          shard *= count(ax)
+    else:
+      fac = table[op.index].factors
+      for fl in (fac.operands + fac.results)[w.work_tensor]:
+        for f in fl:
+          if op_plan.fac_axes[f]:
+            shard *= count(op_plan.fac_axes[f])
+    flops = w.flops / shard
+  nbytes = 0.0
+  internal, value_bytes = work.internal, work.value_bytes
+  for vid, want in zip(op.inputs, op_plan.operand_dims):
+    if not internal[vid]:
+      nbytes += value_bytes[vid] / _divisor(want, count)
+  for vid in op.outputs:
+    if not internal[vid]:
+      nbytes += value_bytes[vid] / _divisor(dims[vid], count)
+  return flops, nbytes
+
+
+def _divisor(dims, count) -> int:
+  n = 1
+  for d in dims:
+    if d:
+      n *= count(d)
+  return n
+
+
+class Divisors:
+  """How many pieces each value is cut into on a mesh (constants are read whole)."""
+
+  def __init__(self, program: Program, sizes):
+    self.sizes = sizes
+    self._by_axes: dict = {}
+    self._by_dims: dict = {}
+    self.is_const = np.array([v.is_const for v in program.values], bool)
+
+  def count(self, axes) -> int:
+    n = self._by_axes.get(axes)
+    if n is None:
+      n = self._by_axes[axes] = math.prod(self.sizes[a] for a in axes)
+    return n
+
+  def of(self, dims) -> int:
+    n = self._by_dims.get(dims)
+    if n is None:
+      n = self._by_dims[dims] = _divisor(dims, self.count)
+    return n
+
+  def values(self, dims: list, base: np.ndarray | None = None, changed=()) -> np.ndarray:
+    """Per value; from `base` (the divisors before) updating only the `changed` values."""
+    known, of = self._by_dims.get, self.of
+    if base is None:
+      out = np.array([known(d) or of(d) for d in dims], np.float64)
+      out[self.is_const] = 1
+      return out
+    out = base.copy()
+    changed = np.fromiter(changed, np.int64, len(changed))
+    out[changed] = [known(dims[v]) or of(dims[v]) for v in changed.tolist()]
+    out[changed[self.is_const[changed]]] = 1
+    return out
+
+
+_EFF = {"matmul": "matmul", "conv": "conv", "vector": "vector", "memory": "vector"}

@@ -1,0 +1,142 @@
+"""Peak memory per device by liveness over program order.
+
+Buffers are the stored (local) values: inputs live for the whole step; with donation (the
+default for a training step) an updated parameter or optimizer state shares its input's buffer,
+so state counts once; without it the new state is a buffer of its own. Intermediates live from the op that makes them to their last reader;
+values inside a fused kernel never exist. Resharded copies (a gathered parameter) live from the
+first to the last op that reads them, and a partial result lives while it is being reduced.
+At the peak the live bytes are split into parameters, optimizer state, batch, activations kept
+for the backward pass (made in the forward pass, read after it) and temporaries.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from partitioner import roles as R
+from partitioner.cost.compute import ProgramWork
+
+CATEGORIES = ("parameters", "optimizer_state", "batch", "activations", "temporaries")
+
+
+class MemoryReport(NamedTuple):
+  peak_bytes: int
+  peak_op: int                 # op running at the peak (number of ops: after the last)
+  breakdown: dict              # category -> bytes live at the peak
+  argument_bytes: int          # inputs, per device
+  output_bytes: int            # outputs, per device (aliased state included)
+  temp_bytes: int              # peak of everything but inputs and outputs
+  capacity_bytes: int
+  fits: bool
+
+
+class ProgramLiveness:
+  """Birth, death and category of every value; computed once per program."""
+
+  def __init__(self, program, work: ProgramWork, donate: bool = True):
+    n_ops = len(program.ops)
+    roles = R.roles(program)
+    self.n_ops = n_ops
+    birth = np.full(len(program.values), -1, np.int64)
+    death = np.full(len(program.values), -2, np.int64)  # -2: never a buffer
+    users = program.users
+    for v in program.values:
+      if v.producer is not None and not work.internal[v.id] and not v.is_const:
+        birth[v.id] = v.producer
+        death[v.id] = max(users[v.id], default=v.producer)
+    for v in program.inputs:
+      birth[v], death[v] = -1, n_ops
+    aliased_outputs = {program.outputs[o] for o in program.aliases}
+    for v in program.outputs:
+      if donate and v in aliased_outputs and v not in program._input_pos:
+        death[v] = -2  # written into its input's buffer (donation)
+      elif death[v] != -2 or v in program._input_pos:
+        death[v] = n_ops
+    self.birth, self.death = birth, death
+    category = np.full(len(program.values), 4, np.int8)
+    forward = R.forward_ops(program)
+    for v in program.values:
+      if v.producer is not None and v.producer in forward and any(
+          u not in forward for u in users[v.id]):
+        category[v.id] = 3
+    for group, code in ((roles.params, 0), (roles.opt_state, 1)):
+      for v in group:
+        category[v] = code
+        for o in R.aliased_outputs(program, v):
+          category[o] = code
+    for v in program.inputs:
+      if category[v] == 4:
+        category[v] = 2
+    self.category = category
+    is_input = np.zeros(len(program.values), bool)
+    is_input[list(program.inputs)] = True
+    is_output = np.zeros(len(program.values), bool)
+    is_output[list(program.outputs)] = True
+    self.buffers = np.nonzero(death >= -1)[0]
+    self.start = np.maximum(birth[self.buffers], 0)
+    self.end = death[self.buffers]
+    self.buffer_category = category[self.buffers]
+    self.buffer_kind = np.where(is_input[self.buffers], 0,
+                                np.where(is_output[self.buffers], 1, 2)).astype(np.int8)
+    self.outputs = np.array(program.outputs, np.int64)
+    self.value_bytes = work.value_bytes
+
+
+def memory(pp, live: ProgramLiveness, divisors: np.ndarray, issue: list[int],
+           capacity: int) -> MemoryReport:
+  """`divisors`: per value, into how many pieces it is cut; `issue`: per resharded copy, the op
+  before which it is made."""
+  program, plan, sizes = pp.program, pp.plan, pp.mesh.sizes
+  values = program.values
+  counts: dict = {}
+
+  def local(vid, dims):
+    n = 1
+    for d in dims:
+      if d:
+        c = counts.get(d)
+        if c is None:
+          c = counts[d] = math.prod(sizes[a] for a in d)
+        n *= c
+    return values[vid].nbytes // n
+
+  per_value = np.floor(live.value_bytes / divisors)
+  # Resharded copies, and partial results being resharded other than in place.
+  starts, ends, nbytes, cats = [], [], [], []
+  for c, a in zip(plan.copies, issue):
+    starts.append(a)
+    ends.append(c.last)
+    nbytes.append(local(c.value, c.dims))
+    cats.append(int(live.category[c.value]) if live.category[c.value] < 2 else 4)
+  for i in plan.communicating:
+    op, op_plan = program.ops[i], plan.ops[i]
+    for vid, res, steps in zip(op.outputs, op_plan.result, op_plan.result_steps):
+      if any(st.kind != "all-reduce" for st in steps):  # an all-reduce runs in place
+        starts.append(i)
+        ends.append(i)
+        nbytes.append(local(vid, res.dims))
+        cats.append(4)
+  starts = np.concatenate([live.start, np.array(starts, np.int64)])
+  ends = np.concatenate([live.end, np.array(ends, np.int64)])
+  nbytes = np.concatenate([per_value[live.buffers], np.array(nbytes, np.float64)])
+  cats = np.concatenate([live.buffer_category, np.array(cats, np.int8)])
+  kinds = np.concatenate([live.buffer_kind, np.full(len(ends) - len(live.end), 2, np.int8)])
+  n = live.n_ops + 2
+
+  def profile(mask):
+    """Live bytes at t = 0..n_ops (while op t runs; t = n_ops: after the last op)."""
+    delta = (np.bincount(starts[mask], nbytes[mask], minlength=n) -
+             np.bincount(ends[mask] + 1, nbytes[mask], minlength=n))
+    return np.cumsum(delta)[: live.n_ops + 1]
+
+  total = profile(slice(None))
+  point = int(np.argmax(total))
+  alive = (starts <= point) & (ends >= point)
+  breakdown = {c: int(nbytes[alive & (cats == i)].sum()) for i, c in enumerate(CATEGORIES)}
+  peak = int(total[point])
+  return MemoryReport(peak, point, breakdown, int(nbytes[kinds == 0].sum()),
+                      int(per_value[live.outputs].sum()), int(profile(kinds == 2).max()),
+                      capacity, peak <= capacity)

@@ -1,0 +1,57 @@
+"""Where mesh axes land on the hardware: inside a node, across nodes, or both.
+
+Devices are numbered row-major over the mesh axes in `order` (major to minor, the mesh's own
+order by default), and devices `[k * node_size, (k + 1) * node_size)` form node k. So the
+minor axes fill a node first: with `batch=8,model=8` on 8-GPU nodes, `model` is inside a node
+and `batch` spans nodes; the order `model,batch` swaps them. Nothing is materialised, so meshes
+of thousands of devices are cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from partitioner.cost.hardware import Hardware
+from partitioner.errors import MeshError
+from partitioner.mesh import Mesh
+
+
+class Group(NamedTuple):
+  """The devices one collective spans: `intra` of them per node, over `inter` nodes."""
+  size: int
+  intra: int
+  inter: int
+
+
+class Placement:
+  def __init__(self, mesh: Mesh, hardware: Hardware, order: Sequence[str] | None = None):
+    order = tuple(order) if order else mesh.names
+    if sorted(order) != sorted(mesh.names):
+      raise MeshError(f"device order {','.join(order)} must name each mesh axis "
+                      f"({','.join(mesh.names)}) once")
+    self.mesh, self.hardware, self.order = mesh, hardware, order
+    sizes = mesh.sizes
+    self.strides, stride = {}, 1
+    for a in reversed(order):
+      self.strides[a] = stride
+      stride *= sizes[a]
+
+  @functools.lru_cache(maxsize=None)
+  def group(self, axes: tuple[str, ...]) -> Group:
+    sizes = self.mesh.sizes
+    ids = np.zeros((), np.int64)
+    for a in axes:
+      ids = np.add.outer(ids, np.arange(sizes[a]) * self.strides[a])
+    ids = ids.reshape(-1)
+    intra = int(np.sum(ids < self.hardware.node_size))
+    return Group(ids.size, intra, ids.size // intra)
+
+  def level(self, axis: str) -> str:
+    g = self.group((axis,))
+    return "intra" if g.inter == 1 else "inter" if g.intra == 1 else "both"
+
+  def describe(self) -> dict[str, str]:
+    return {a: self.level(a) for a in self.mesh.names}
