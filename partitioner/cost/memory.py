@@ -11,7 +11,6 @@ for the backward pass (made in the forward pass, read after it) and temporaries.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import numpy as np
@@ -85,23 +84,15 @@ class ProgramLiveness:
     self.value_bytes = work.value_bytes
 
 
-def memory(pp, live: ProgramLiveness, divisors: np.ndarray, issue: list[int],
+def memory(pp, live: ProgramLiveness, divisors: np.ndarray, pieces, issue: list[int],
            capacity: int) -> MemoryReport:
-  """`divisors`: per value, into how many pieces it is cut; `issue`: per resharded copy, the op
-  before which it is made."""
-  program, plan, sizes = pp.program, pp.plan, pp.mesh.sizes
+  """`divisors`: per value, into how many pieces it is cut; `pieces(dims)`: the same for a
+  layout; `issue`: per resharded copy, the op before which it is made."""
+  program, plan = pp.program, pp.plan
   values = program.values
-  counts: dict = {}
 
   def local(vid, dims):
-    n = 1
-    for d in dims:
-      if d:
-        c = counts.get(d)
-        if c is None:
-          c = counts[d] = math.prod(sizes[a] for a in d)
-        n *= c
-    return values[vid].nbytes // n
+    return values[vid].nbytes // pieces(dims)
 
   per_value = np.floor(live.value_bytes / divisors)
   # Resharded copies, and partial results being resharded other than in place.

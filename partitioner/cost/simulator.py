@@ -17,7 +17,6 @@ from partitioner.cost.compute import _EFF, Divisors, ProgramWork
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.memory import MemoryReport, ProgramLiveness, memory
 from partitioner.cost.topology import Placement
-from partitioner.propagation import factor_table
 
 
 class CollectiveCost(NamedTuple):
@@ -99,7 +98,6 @@ class Simulator:
     self.liveness = ProgramLiveness(program, work, donate)
     self.divisors = Divisors(program, mesh.sizes)
     self.rate = np.array([hw.flops(w.dtype) * hw.efficiency[_EFF[w.kind]] for w in work.work])
-    self.table = factor_table(program)
     self._collective_cache: dict = {}
 
   def collective(self, kind, nbytes, axes):
@@ -163,7 +161,7 @@ class Simulator:
     compute_s = float(kernels.sum())
     costs = [CollectiveCost(c.kind, c.axes, c.bytes, t.seconds, e, t.decomposition, c.value, c.op)
              for c, t, e in zip(pp.collectives, timed, exposed)]
-    mem = memory(pp, self.liveness, divisors, issue, hw.hbm_bytes)
+    mem = memory(pp, self.liveness, divisors, self.divisors.of, issue, hw.hbm_bytes)
     return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s, float(sum(durations)),
                       float(sum(exposed)), float(flops.sum()), float(nbytes.sum()), costs, mem,
                       self.placement.describe())

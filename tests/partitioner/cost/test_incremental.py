@@ -10,6 +10,7 @@ import partitioner as P
 from partitioner.cost import Simulator
 from partitioner.cost.compute import op_cost
 from partitioner.plan import make_plan
+from partitioner.propagation import factor_table
 
 MESH = "batch=2,model=4"
 TACTICS = ["BatchParallel(batch)", "Megatron(model)", "ZeRO(batch, stage=3)"]
@@ -60,7 +61,7 @@ def test_array_costs_equal_per_op_costs_from_the_plan(spec):
   for pp in chain(program):
     sim = Simulator(program, pp.mesh, "h100")
     _, flops, nbytes = sim.costs(pp)
-    exact = np.array([op_cost(op, op_plan, w, sim.table, sim.work, pp.state.dims,
+    exact = np.array([op_cost(op, op_plan, w, factor_table(program), sim.work, pp.state.dims,
                               sim.divisors.count)
                       for op, op_plan, w in zip(program.ops, pp.plan.ops, sim.work.work)])
     np.testing.assert_allclose(flops, exact[:, 0], rtol=1e-12)
