@@ -1,4 +1,2 @@
-"""Acme-style interfaces and agents (expert, random, greedy, MCTS, learned policy).
-
-Not built yet: see the open issues on search agents and learned policies.
-"""
+"""Acme-style interfaces (`core`, `adders`, `specs`, `counting`, `loggers`,
+`environment_loop`) and, to come, the agents: expert, random, greedy, MCTS, learned policy."""

@@ -1,6 +1,9 @@
-"""The model corpus: training steps with scale knobs, by name (`gpt:small`)."""
+"""The model corpus: training steps with scale knobs, by name (`gpt:small`), split into
+training and held-out families, with the expert strategies of each family."""
 
-from corpus.registry import FAMILIES, build, load, parse
+from corpus.experts import STRATEGIES, experts
+from corpus.registry import FAMILIES, SPLITS, build, load, parse, split
 from corpus.workload import Workload
 
-__all__ = ["FAMILIES", "Workload", "build", "load", "parse"]
+__all__ = ["FAMILIES", "SPLITS", "STRATEGIES", "Workload", "build", "experts", "load", "parse",
+           "split"]

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from corpus import gpt, mlp
+from corpus import bert, gnn, gpt, mlp, moe, resnet, ssm, t5, unet, vit
 from corpus.workload import Workload, abstractify, load_user, parameter_count, replace_config
 from partitioner.errors import WorkloadError
 
@@ -21,14 +21,40 @@ class Family(NamedTuple):
   make: Callable          # config -> (train_step, init)
   presets: dict
   default: str
+  split: str              # "train" or "heldout"
   description: str
 
 
-FAMILIES: dict[str, Family] = {
-    "mlp": Family("mlp", mlp.make, mlp.PRESETS, "small", "multi-layer perceptron, MSE, Adam"),
-    "gpt": Family("gpt", gpt.make, gpt.PRESETS, "small",
-                  "GPT decoder: causal attention, pre-LN, tied embeddings, Adam + clipping"),
-}
+def _family(module, split: str, description: str) -> Family:
+  name = module.__name__.rsplit(".", 1)[-1]
+  return Family(name, module.make, module.PRESETS, "small", split, description)
+
+
+# Training families cover the building blocks (dense layers, self-attention, embeddings,
+# convolutions with batch norm, gather/scatter message passing); the held-out families
+# recombine them in ways the training set never shows: cross-attention between two stacks,
+# routed experts, a U-shaped conv net with long skips, a recurrence over time.
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    _family(mlp, "train", "multi-layer perceptron, MSE, Adam"),
+    _family(gpt, "train", "GPT decoder: causal attention, pre-LN, tied embeddings, Adam + clip"),
+    _family(bert, "train", "BERT encoder: post-LN, masked-LM head on masked positions, AdamW"),
+    _family(vit, "train", "Vision Transformer: patch embedding, class token, AdamW"),
+    _family(resnet, "train", "ResNet: convolutions, batch norm, max pool, SGD + Nesterov"),
+    _family(gnn, "train", "graph network: encode-process-decode, gather/scatter over edges"),
+    _family(t5, "heldout", "T5 encoder-decoder: cross-attention, shared embeddings, ReLU FFN"),
+    _family(moe, "heldout", "MoE decoder: top-k router, expert capacity, load-balancing loss"),
+    _family(unet, "heldout", "diffusion UNet: res blocks, group norm, skips, noise prediction"),
+    _family(ssm, "heldout", "state-space LM: diagonal linear recurrence with lax.scan, GLU"),
+)}
+
+SPLITS = ("train", "heldout")
+
+
+def split(name: str) -> list[str]:
+  """The family names of a split: "train" (to learn from) or "heldout" (to evaluate on)."""
+  if name not in SPLITS:
+    raise WorkloadError(f"unknown split {name!r}; splits: {', '.join(SPLITS)}")
+  return [f.name for f in FAMILIES.values() if f.split == name]
 
 
 def parse(spec: str):

@@ -80,6 +80,11 @@ def replace_config(config, overrides: dict[str, str], family: str):
     if key not in fields:
       raise WorkloadError(f"{family} has no knob {key!r}; knobs: {', '.join(fields)}")
     kind = type(getattr(config, key))
+    if kind is bool:
+      if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise WorkloadError(f"{family}: knob {key} wants true or false, got {text!r}")
+      changes[key] = text.lower() in ("true", "1", "yes")
+      continue
     try:
       changes[key] = kind(float(text)) if kind is int and "e" in text.lower() else kind(text)
     except ValueError:

@@ -7,8 +7,8 @@ from partitioner.ir import Op, Program, Value
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram, apply
 from partitioner.sharding import Sharding
-from partitioner.tactics import (BatchParallel, EmbeddingSharding, Megatron, Replicate, Tactic,
-                                 Tile, ZeRO, parse_schedule)
+from partitioner.tactics import (BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
+                                 Replicate, SequenceParallel, Tactic, Tile, ZeRO, parse_schedule)
 from partitioner.tracing import trace
 
 
@@ -25,8 +25,8 @@ def to_jax_shardings(partitioned, jax_mesh=None):
 
 
 __all__ = [
-    "BatchParallel", "EmbeddingSharding", "Megatron", "Mesh", "MeshError", "Op",
-    "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError", "Sharding",
-    "ShardingError", "ShardzeroError", "Tactic", "Tile", "Value", "WorkloadError", "ZeRO",
-    "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",
+    "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
+    "Op", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
+    "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "Tactic", "Tile", "Value",
+    "WorkloadError", "ZeRO", "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",
 ]

@@ -19,7 +19,7 @@ from partitioner.factors import PASS, REPL, SUM, split_dim
 from partitioner.ir import Program
 from partitioner.propagation import factor_table
 
-_PARAM = re.compile(r"param|weight|variables", re.I)
+_PARAM = re.compile(r"param|weight|variables|state", re.I)  # model state: batch-norm stats
 _OPT = re.compile(r"opt", re.I)
 
 
@@ -224,6 +224,27 @@ def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
                 seen.add((rv, rd))
                 work.append((rv, rd))
   return rows
+
+
+def expert_weights(program: Program) -> list[tuple[int, int]]:
+  """(parameter, expert dim) of weights that a forward-pass dot_general treats as a batch
+  dimension: one weight slice per expert, as in `einsum("becd,edh->bech", x, w)`."""
+  params = frozenset(roles(program).params)
+  forward = forward_ops(program)
+  found = []
+  for op in program.ops:
+    if op.name != "dot_general" or op.index not in forward:
+      continue
+    _, batch = op.params["dimension_numbers"]
+    for side in (0, 1):
+      src = param_source(program, op.inputs[side], params)
+      if src is None:
+        continue
+      for d in batch[side]:
+        entry = (src[0], src[1][d])
+        if entry not in found:
+          found.append(entry)
+  return found
 
 
 def embedding_tables(program: Program) -> list[tuple[int, int]]:

@@ -1,10 +1,10 @@
 """Tactics: steps that tile chosen values over a mesh axis, then propagate.
 
-Manual tactics (`Tile`, `Replicate`, `BatchParallel`, `Megatron`, `ZeRO`, `EmbeddingSharding`)
-find their targets from the IR and value names, never from model internals listed by hand. A
-schedule is a list of tactics applied in order; each one refines what the earlier ones decided.
-Tactics that tile an input also tile the outputs aliased to it (new params for params), so a
-training step maps its state to the same layout.
+Manual tactics (`Tile`, `Replicate`, `BatchParallel`, `Megatron`, `ZeRO`, `EmbeddingSharding`,
+`ExpertParallel`, `SequenceParallel`) find their targets from the IR and value names, never
+from model internals listed by hand. A schedule is a list of tactics applied in order; each
+one refines what the earlier ones decided. Tactics that tile an input also tile the outputs
+aliased to it (new params for params), so a training step maps its state to the same layout.
 """
 
 from __future__ import annotations
@@ -220,6 +220,58 @@ class EmbeddingSharding(Tactic):
     ctx.propagate()
 
 
+def _tile_exactly(ctx, tactic, axis, targets, what) -> None:
+  """Tiles every (value, dim) over `axis`, or fails naming the first that does not divide;
+  `what(size)` describes the dimension ("4 experts")."""
+  m = ctx.mesh.size(axis)
+  for vid, dim in targets:
+    size = ctx.program.values[vid].shape[dim]
+    if size % (m * _count(ctx.state, vid, dim)):
+      raise ScheduleError(f"{tactic}: {ctx.program.name(vid)} has {what(size)}, not divisible "
+                          f"by {axis}={m}")
+  for vid, dim in targets:
+    ctx.tile(vid, dim, axis)
+  ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel(Tactic):
+  """Expert parallelism: weights with an expert dimension (a dimension a forward matmul treats
+  as a batch dimension) are split along it over `axis`, and the tokens routed to an expert are
+  processed where its weights are. When the batch is split over the same axis, propagation
+  reshards between the two where they meet (gathering expert weights or moving tokens)."""
+  axis: str
+  name: ClassVar[str] = "ExpertParallel"
+
+  def apply(self, ctx):
+    weights = R.expert_weights(ctx.program)
+    if not weights:
+      raise PatternError("ExpertParallel found no expert weights (a parameter dimension that "
+                         "a matmul treats as a batch dimension)")
+    _tile_exactly(ctx, self, self.axis, weights, lambda n: f"{n} experts")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel(Tactic):
+  """Sequence (context) parallelism: the batch inputs are split along their sequence
+  dimension `dim` over `axis`; attention gathers the keys and values it needs."""
+  axis: str
+  dim: int = 1
+  inputs: str = ""
+  name: ClassVar[str] = "SequenceParallel"
+
+  def apply(self, ctx):
+    picked = _matches(ctx, self.inputs) if self.inputs else R.batch_inputs(
+        ctx.program, ctx.roles.data)[0]
+    picked = [v for v in picked if ctx.program.values[v].rank > self.dim]
+    if not picked:
+      raise PatternError(f"SequenceParallel found no data input with a dimension {self.dim}")
+    _tile_exactly(ctx, self, self.axis, [(v, self.dim) for v in picked],
+                  lambda n: f"length {n} along dim {self.dim}")
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class ZeRO(Tactic):
@@ -273,6 +325,8 @@ class ZeRO(Tactic):
       if p is not None and p not in chosen:
         chosen[p] = choose_dim(p)
       d = chosen.get(p) if p is not None else choose_dim(o)
+      if d is not None and program.values[o].shape[d] % (m * _count(state, o, d)):
+        d = choose_dim(o)  # an earlier tactic sharded this state differently from its param
       if d is not None and not any(self.axis in dd for dd in state.dims[o]):
         ctx.tile(o, d, self.axis)
     skipped = [program.name(p) for p, d in chosen.items() if d is None]

@@ -4,6 +4,11 @@
 `custom_jvp_call`, `custom_vjp_call`, `checkpoint`/`remat` are inlined (their bodies are what
 runs), literals and closed-over constants become constant values, and inputs are named by
 their pytree paths under the function's parameter names (`params/layer_0/mlp/w_in`).
+
+`scan` loops short enough (length x body size up to `UNROLL_LIMIT` equations) are unrolled:
+each iteration becomes ordinary ops, so a recurrence over time partitions along its batch
+and feature dimensions like any other code. Longer loops stay region ops, which run
+replicated and are reported.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ _INLINE = {
     "remat2": ("jaxpr",),
     "named_call": ("call_jaxpr",),
 }
+
+# Scans with at most this many equations once unrolled (length x body) are unrolled.
+UNROLL_LIMIT = 50_000
 
 
 def key_name(key) -> str:
@@ -126,6 +134,8 @@ class _Builder:
           if key in eqn.params:
             body = eqn.params[key]
             break
+      if body is None and name == "scan" and _unrollable(eqn):
+        body = _unrolled_scan(eqn)
       if body is not None:
         if isinstance(body, core.ClosedJaxpr):
           outs = self.emit(body.jaxpr, body.consts, ins)
@@ -145,6 +155,43 @@ class _Builder:
         if not isinstance(var, core.DropVar):
           env[var] = vid
     return [read(a) for a in jaxpr.outvars]
+
+
+def _count_eqns(jaxpr: core.Jaxpr) -> int:
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += 1
+    if eqn.primitive.name == "scan":
+      n += eqn.params["length"] * _count_eqns(eqn.params["jaxpr"].jaxpr)
+    else:
+      n += sum(_count_eqns(j.jaxpr if isinstance(j, core.ClosedJaxpr) else j)
+               for j in eqn.params.values() if isinstance(j, (core.Jaxpr, core.ClosedJaxpr)))
+  return n
+
+
+def _unrollable(eqn) -> bool:
+  return eqn.params["length"] * _count_eqns(eqn.params["jaxpr"].jaxpr) <= UNROLL_LIMIT
+
+
+def _unrolled_scan(eqn) -> core.ClosedJaxpr:
+  """The scan as straight-line code: the body once per step, `xs` sliced, `ys` stacked."""
+  p = eqn.params
+  body, length = p["jaxpr"], p["length"]
+  n_consts, n_carry = p["num_consts"], p["num_carry"]
+
+  def unrolled(*args):
+    consts, carry = args[:n_consts], list(args[n_consts:n_consts + n_carry])
+    xs = args[n_consts + n_carry:]
+    ys = [None] * length
+    for i in (reversed(range(length)) if p["reverse"] else range(length)):
+      out = core.eval_jaxpr(body.jaxpr, body.consts, *consts, *carry, *(x[i] for x in xs))
+      carry, ys[i] = out[:n_carry], out[n_carry:]
+    n_ys = len(body.jaxpr.outvars) - n_carry
+    stacked = [jax.numpy.stack([y[j] for y in ys]) for j in range(n_ys)]
+    return (*carry, *stacked)
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+  return jax.make_jaxpr(unrolled)(*avals)
 
 
 def _find_aliases(args, out_shape, in_offsets: list[int]) -> dict[int, int]:

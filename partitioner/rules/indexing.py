@@ -17,26 +17,44 @@ from partitioner.ir import bind
 from partitioner.rules import Unsupported, factor_rule, local_rule
 
 
+def _iota_along(program, vid, depth: int = 0):
+  """The dimension along which value `vid` counts 0, 1, 2... (an iota seen through casts,
+  broadcasts and JAX's negative-index normalisation), or None."""
+  v = program.values[vid]
+  if v.producer is None or depth > 8:
+    return None
+  op = program.ops[v.producer]
+  if op.name == "iota":
+    return op.params["dimension"] if tuple(op.params["shape"]) == v.shape else None
+  if op.name == "convert_element_type":
+    return _iota_along(program, op.inputs[0], depth + 1)
+  if op.name == "broadcast_in_dim":
+    j = _iota_along(program, op.inputs[0], depth + 1)
+    if j is None:
+      return None
+    d = op.params["broadcast_dimensions"][j]
+    return d if program.values[op.inputs[0]].shape[j] == v.shape[d] else None
+  if op.name == "select_n" and len(op.inputs) == 3:
+    # `where(i < 0, i + n, i)`: an iota is never negative, so this is the iota itself.
+    pred, keep, shifted = (program.values[i] for i in op.inputs)
+    test = program.ops[pred.producer] if pred.producer is not None else None
+    add = program.ops[shifted.producer] if shifted.producer is not None else None
+    if test is not None and test.name == "lt" and test.inputs[0] == keep.id and \
+        _is_zero(program, test.inputs[1]) and add is not None and add.name == "add" and \
+        keep.id in add.inputs:
+      return _iota_along(program, keep.id, depth + 1)
+  return None
+
+
+def _is_zero(program, vid) -> bool:
+  v = program.values[vid]
+  return v.is_const and v.rank == 0 and v.const == 0
+
+
 def _iota_dim(program, vid, rank):
   """The index-batch dimension along which value `vid` (trailing size 1) is an iota, if any."""
-  v = program.values[vid]
-  while v.producer is not None:
-    op = program.ops[v.producer]
-    if op.name == "convert_element_type":
-      v = program.values[op.inputs[0]]
-      continue
-    if op.name == "iota" and len(op.params["shape"]) == rank:
-      d = op.params["dimension"]
-      return d if d < rank - 1 else None
-    if op.name == "broadcast_in_dim" and len(v.shape) == rank:
-      src = program.values[op.inputs[0]]
-      if src.rank == 1 and src.producer is not None:
-        inner = program.ops[src.producer]
-        if inner.name == "iota" and inner.params["dimension"] == 0:
-          d = op.params["broadcast_dimensions"][0]
-          return d if d < rank - 1 else None
-    return None
-  return None
+  d = _iota_along(program, vid)
+  return d if d is not None and d < rank - 1 else None
 
 
 def iota_components(program, indices: int) -> dict[int, int]:

@@ -17,7 +17,7 @@ def test_presets_and_knobs():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("bert:small", "'bert' is neither a corpus family"),
+    ("llama:small", "'llama' is neither a corpus family"),
     ("gpt:layers=two", "knob layers wants int"),
     ("mlp:tiny", "mlp has no preset 'tiny'"),
     ("nothing", "unknown model 'nothing'"),

@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import partitioner as P
+from partitioner import tracing
 from tests.partitioner.helpers import assert_partitioned_equal, kinds
 
 KEY = jax.random.PRNGKey(0)
@@ -155,7 +156,9 @@ def test_tile_outputs_by_name():
   assert pp.output_shardings()["out"].dims == ((), ("a",))
 
 
-def test_scan_while_cond_fall_back_to_replicated_and_stay_correct():
+def test_scan_while_cond_fall_back_to_replicated_and_stay_correct(monkeypatch):
+  monkeypatch.setattr(tracing, "UNROLL_LIMIT", 0)  # keep the scan a loop
+
   def f(x):
     carry, ys = lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(x.shape[1:]), x)
     z = lax.while_loop(lambda v: v[0] < 3, lambda v: (v[0] + 1, v[1] * 1.5), (0, carry))[1]

@@ -9,6 +9,8 @@ from jax import lax
 
 import corpus
 import partitioner as P
+from partitioner import tracing
+from tests.partitioner.helpers import assert_partitioned_equal
 
 
 class State(NamedTuple):
@@ -60,14 +62,38 @@ def test_calls_are_inlined_and_evaluate_the_same():
     np.testing.assert_allclose(program(x), fn(x), rtol=1e-6)
 
 
-def test_region_ops_are_kept_whole():
-  def f(x):
-    c, ys = lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(3), x)
+def test_region_ops_are_kept_whole(monkeypatch):
+  monkeypatch.setattr(tracing, "UNROLL_LIMIT", 8)  # a scan of 4 steps x 2 equations is 8
+
+  def f(x, n):
+    c, ys = lax.scan(lambda c, r: (c + r, c * r), jnp.zeros(3), x[:n])
     return lax.cond(c.sum() > 0, lambda: ys, lambda: -ys)
 
-  program = P.trace(f, jnp.ones((4, 3)))
+  x = jnp.ones((5, 3))
+  program = P.trace(lambda x: f(x, 5), x)
   assert {"scan", "cond"} <= set(program.primitives())
-  np.testing.assert_allclose(program(jnp.ones((4, 3))), f(jnp.ones((4, 3))))
+  np.testing.assert_allclose(program(x), f(x, 5))
+  assert "scan" not in P.trace(lambda x: f(x, 4), x).primitives()
+
+
+def test_short_scans_are_unrolled_and_partition_along_the_batch():
+  """A recurrence over time, with its gradient (a reverse scan), becomes straight-line code;
+  splitting the batch dimension of the sequence then needs no communication inside it."""
+  def loss(w, xs):
+    def step(h, x):
+      h = jnp.tanh(h @ w + x)
+      return h, h.sum(-1)
+    h, ys = lax.scan(step, jnp.zeros(xs.shape[1:]), xs)
+    return (h ** 2).mean() + ys.mean()
+
+  fn = jax.value_and_grad(loss)
+  w, xs = jnp.eye(16) * 0.5, jax.random.normal(jax.random.PRNGKey(0), (6, 8, 16))
+  program = P.trace(fn, w, xs)
+  assert "scan" not in program.primitives()
+  np.testing.assert_allclose(program(w, xs)[1], fn(w, xs)[1], rtol=1e-5, atol=1e-6)
+  pp = assert_partitioned_equal(fn, (w, xs), "b=8", "Tile(xs, 1, b)")
+  assert pp.fallbacks == {}
+  assert {c.kind for c in pp.collectives} == {"all-reduce"}  # loss and gradient sums only
 
 
 def test_constants_and_literals_become_constant_values():

@@ -1,0 +1,94 @@
+"""The reference table: every expert strategy of every corpus model, simulated on one mesh and
+hardware. Search and learned agents are judged against its best entry per model."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+from corpus.experts import experts
+from corpus.registry import load, parse
+from corpus.workload import parameter_count
+from partitioner.errors import ShardzeroError
+
+# Realistic sizes for the table, per family.
+TABLE_MODELS = ("mlp:large", "gpt:1.3b", "gpt:6.7b", "bert:large", "vit:large", "resnet:50",
+                "gnn:base", "t5:large", "moe:base", "unet:base", "ssm:base")
+
+
+class Entry(NamedTuple):
+  model: str
+  family: str
+  parameters: int
+  strategy: str
+  schedule: str
+  step_time_s: float | None     # None when the strategy does not apply
+  compute_s: float | None
+  comm_s: float | None
+  exposed_comm_s: float | None
+  peak_memory_bytes: int | None
+  fits: bool | None
+  error: str | None = None      # why the strategy does not apply to this model and mesh
+  best: bool = False            # the fastest strategy that fits, per model
+
+  def to_dict(self) -> dict:
+    return self._asdict()
+
+
+def evaluate_model(spec: str, mesh, hardware, order: Sequence[str] | None = None,
+                   strategies: Sequence[str] | None = None,
+                   progress: Callable[[str], None] | None = None) -> list[Entry]:
+  """Every expert strategy of one model on `mesh` (a `Mesh` or "batch=8,model=4")."""
+  from partitioner import apply, trace
+  from partitioner.cost import load_hardware, simulate
+  from partitioner.mesh import Mesh
+  mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+  hardware = load_hardware(hardware)
+  family, _ = parse(spec)
+  workload = load(spec, abstract=True)
+  program = trace(workload.fn, *workload.args)
+  n_params = parameter_count(workload.args[0])
+  schedules = experts(family.name, mesh.names)
+  if strategies is not None:
+    schedules = {k: v for k, v in schedules.items() if k in strategies}
+  entries = []
+  for name, schedule in schedules.items():
+    if progress:
+      progress(f"{spec} {name}")
+    try:
+      report = simulate(apply(program, mesh, schedule), hardware, order)
+    except ShardzeroError as e:
+      entries.append(Entry(spec, family.name, n_params, name, schedule, None, None, None, None,
+                           None, None, str(e)))
+      continue
+    entries.append(Entry(spec, family.name, n_params, name, schedule, report.step_time_s,
+                         report.compute_s, report.comm_s, report.exposed_comm_s,
+                         report.peak_memory_bytes, report.fits))
+  return mark_best(entries)
+
+
+def mark_best(entries: list[Entry]) -> list[Entry]:
+  """Marks, per model, the fastest strategy that fits (the fastest overall if none fits)."""
+  out = list(entries)
+  for model in dict.fromkeys(e.model for e in entries):
+    ran = [i for i, e in enumerate(out) if e.model == model and e.step_time_s is not None]
+    fitting = [i for i in ran if out[i].fits] or ran
+    if fitting:
+      i = min(fitting, key=lambda i: out[i].step_time_s)
+      out[i] = out[i]._replace(best=True)
+  return out
+
+
+def best(entries: Sequence[Entry], model: str) -> Entry | None:
+  return next((e for e in entries if e.model == model and e.best), None)
+
+
+def reference_table(models: Sequence[str] = TABLE_MODELS, mesh="batch=8,model=4",
+                    hardware="tpu-v4", order=None, progress=None) -> list[Entry]:
+  """`evaluate_model` for each model; `progress(label)` is called before each strategy."""
+  for spec in models:
+    parse(spec)  # fail on a bad name before any work
+  out = []
+  for spec in models:
+    out.extend(evaluate_model(spec, mesh, hardware, order, progress=progress))
+  return out
+

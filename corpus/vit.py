@@ -1,0 +1,83 @@
+"""A Vision Transformer classification step: non-overlapping patches embedded by a linear map
+(written as reshapes and a matmul), a class token, learned positions, pre-LN blocks, a linear
+head on the class token, softmax cross-entropy and AdamW."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import optax
+
+from corpus import layers as L
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+  layers: int = 2
+  d_model: int = 64
+  heads: int = 8
+  ffn_mult: int = 4
+  image: int = 16
+  patch: int = 4
+  channels: int = 3
+  classes: int = 10
+  batch: int = 8
+  remat: bool = False
+  lr: float = 1e-3
+  seed: int = 0
+
+
+PRESETS = {
+    "small": ViTConfig(),
+    "base": ViTConfig(layers=12, d_model=768, heads=12, image=224, patch=16, classes=1000,
+                      batch=1024, remat=True),
+    "large": ViTConfig(layers=24, d_model=1024, heads=16, image=224, patch=16, classes=1000,
+                       batch=1024, remat=True),
+    "huge": ViTConfig(layers=32, d_model=1280, heads=16, image=224, patch=14, classes=1000,
+                      batch=1024, remat=True),
+}
+
+
+def _forward(c: ViTConfig):
+  def forward(images):
+    b = images.shape[0]
+    g, p = c.image // c.patch, c.patch
+    with hk.name_scope("vit"):
+      patches = images.reshape(b, g, p, g, p, c.channels).transpose(0, 1, 3, 2, 4, 5)
+      x = hk.Linear(c.d_model, name="patch_embed")(patches.reshape(b, g * g, p * p * c.channels))
+      cls = hk.get_parameter("cls", [1, 1, c.d_model], init=L.truncated())
+      x = jnp.concatenate([jnp.broadcast_to(cls, (b, 1, c.d_model)), x], axis=1)
+      x = x + hk.get_parameter("pos_embed", [g * g + 1, c.d_model], init=L.truncated())
+      for i in range(c.layers):
+        with hk.name_scope(f"layer_{i}"):
+          x = L.checkpointed(L.pre_ln_block, c.remat, heads=c.heads,
+                             hidden=c.ffn_mult * c.d_model, causal=False)(x)
+      x = L.layer_norm("ln_f")(x[:, 0])
+      return hk.Linear(c.classes, name="head")(x)
+  return hk.without_apply_rng(hk.transform(forward))
+
+
+def make(config: ViTConfig):
+  """(train_step, init) for the config; init(key) -> (params, opt_state, batch)."""
+  if config.image % config.patch:
+    from partitioner.errors import WorkloadError
+    raise WorkloadError(f"vit: image {config.image} is not a multiple of patch {config.patch}")
+  net = _forward(config)
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(config.lr, weight_decay=0.05))
+
+  def loss_fn(params, batch):
+    logits = net.apply(params, batch["images"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+  def init(key):
+    ki, kl, kp = jax.random.split(key, 3)
+    shape = (config.batch, config.image, config.image, config.channels)
+    batch = {"images": jax.random.normal(ki, shape),
+             "labels": jax.random.randint(kl, (config.batch,), 0, config.classes)}
+    params = net.init(kp, batch["images"])
+    return params, opt.init(params), batch
+
+  return L.train_step_for(loss_fn, opt), init

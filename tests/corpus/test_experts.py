@@ -1,0 +1,89 @@
+"""Expert strategies: every one applies to its family, the key ones run correctly, and the
+structural tactics behind them (expert and sequence parallelism) find their targets."""
+
+import math
+
+import pytest
+
+import corpus
+import partitioner as P
+from corpus.experts import FAMILY_STRATEGIES, STRATEGIES
+from partitioner.cost import simulate
+from partitioner.verify import verify
+
+MESH = "batch=2,model=4"
+
+
+@pytest.fixture(scope="module")
+def programs():
+  cache = {}
+
+  def get(family):
+    if family not in cache:
+      workload = corpus.load(f"{family}:small")
+      cache[family] = (workload, P.trace(workload.fn, *workload.args))
+    return cache[family]
+  return get
+
+
+@pytest.mark.parametrize("family", list(corpus.FAMILIES))
+def test_every_expert_strategy_applies_and_is_costed(family, programs):
+  _, program = programs(family)
+  schedules = corpus.experts(family, ("batch", "model"))
+  assert set(schedules) == set(FAMILY_STRATEGIES[family])
+  assert {"dp", "zero1", "zero2", "zero3"} <= set(schedules)
+  times = {}
+  for name, schedule in schedules.items():
+    pp = P.apply(program, MESH, schedule)
+    assert pp.fallbacks == {}, (family, name)
+    report = simulate(pp, "tpu-v4")
+    assert math.isfinite(report.step_time_s) and report.step_time_s > 0
+    times[name] = report
+  # Sharding state over more devices never needs more memory for it.
+  for stage in ("zero1", "zero2", "zero3"):
+    assert times[stage].memory.breakdown["optimizer_state"] < \
+        times["dp"].memory.breakdown["optimizer_state"]
+  assert times["zero3"].memory.breakdown["parameters"] < times["dp"].memory.breakdown["parameters"]
+
+
+@pytest.mark.parametrize("family,strategy", [
+    ("gpt", "dp+megatron+vocab"), ("gpt", "dp+sp"), ("moe", "dp+ep"), ("moe", "gshard"),
+    ("t5", "dp+megatron+zero3"), ("resnet", "zero3"), ("gnn", "dp+megatron"),
+    ("ssm", "dp+megatron"), ("unet", "hsdp"), ("bert", "zero2"),
+])
+def test_expert_strategies_run_correctly(family, strategy, programs):
+  workload, program = programs(family)
+  pp = P.apply(program, MESH, corpus.experts(family)[strategy])
+  result = verify(pp, workload.args)
+  assert result.ok, f"{family} {strategy}: max error {result.max_abs_err} in {result.worst}"
+
+
+def test_expert_parallel_splits_the_expert_dimension(programs):
+  _, program = programs("moe")
+  pp = P.apply(program, MESH, "BatchParallel(batch); ExpertParallel(model)")
+  assert pp.sharding("params/moe/layer_1/experts/w_in").dims == (("model",), (), ())
+  assert pp.sharding("params/moe/layer_1/experts/w_out").dims == (("model",), (), ())
+  assert pp.sharding("params/moe/layer_0/w_in/w").dims == ((), ())  # dense layers untouched
+  with pytest.raises(P.PatternError, match="found no expert weights"):
+    P.apply(programs("gpt")[1], MESH, "ExpertParallel(model)")
+  with pytest.raises(P.ScheduleError, match="4 experts, not divisible by model=8"):
+    P.apply(program, "batch=1,model=8", "ExpertParallel(model)")
+
+
+def test_sequence_parallel_splits_the_sequence(programs):
+  _, program = programs("gpt")
+  pp = P.apply(program, MESH, "BatchParallel(batch); SequenceParallel(model)")
+  assert pp.sharding("batch/inputs").dims == (("batch",), ("model",))
+  assert pp.sharding("batch/targets").dims == (("batch",), ("model",))
+  with pytest.raises(P.ScheduleError, match="length 16 along dim 1, not divisible"):
+    P.apply(program, "batch=1,model=32", "SequenceParallel(model)")
+
+
+def test_one_axis_meshes_get_the_one_axis_strategies():
+  schedules = corpus.experts("gpt", ("x",))
+  assert set(schedules) == {n for n in FAMILY_STRATEGIES["gpt"] if not STRATEGIES[n].two_axes}
+  assert schedules["zero3"] == "BatchParallel(x); ZeRO(x, stage=3)"
+  assert corpus.experts("moe", ("pod", "data", "expert"))["dp+ep"] == \
+      "BatchParallel(pod); BatchParallel(data); ExpertParallel(expert)"
+  with pytest.raises(P.WorkloadError, match="no expert strategies for 'llama'"):
+    corpus.experts("llama")
