@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import itertools
-from typing import Any, Generic, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Generic, List, Optional, Sequence, TypeVar
 
 import dm_env
 
@@ -84,14 +84,3 @@ class Learner(VariableSource, Worker, Saveable):
   def restore(self, state):
     raise NotImplementedError(f"{type(self).__name__} cannot be restored")
 
-
-class PrefetchingIterator(Iterator[T], abc.ABC):
-  """An iterator that can say whether its next element is ready."""
-
-  @abc.abstractmethod
-  def ready(self) -> bool:
-    """True when `next()` will not block."""
-
-  @abc.abstractmethod
-  def retrieved_elements(self) -> int:
-    """How many elements were taken so far."""

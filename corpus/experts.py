@@ -35,7 +35,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              _zero(2), False),
     Strategy("zero3", "fully sharded data parallel (ZeRO-3 / FSDP)", _zero(3), False),
     Strategy("hsdp", "data parallel over every axis, FSDP only over the model axis (hybrid)",
-             lambda d, m: _bp(d) + [f"BatchParallel({m})", f"ZeRO({m}, stage=3)"]),
+             lambda d, m: _bp((*d, m)) + [f"ZeRO({m}, stage=3)"]),
     Strategy("megatron", "Megatron tensor parallel over every axis, batch replicated",
              lambda d, m: [f"Megatron({a})" for a in (*d, m)], False),
     Strategy("dp+megatron", "data parallel x Megatron tensor parallel (2D)",
@@ -53,7 +53,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dp+ep+zero3", "expert parallel with FSDP over the data axes",
              lambda d, m: _bp(d) + [f"ExpertParallel({m})"] + [f"ZeRO({a}, stage=3)" for a in d]),
     Strategy("gshard", "GShard: data parallel over every axis, experts over the model axis",
-             lambda d, m: _bp(d) + [f"BatchParallel({m})", f"ExpertParallel({m})"]),
+             lambda d, m: _bp((*d, m)) + [f"ExpertParallel({m})"]),
 )}
 
 _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp")

@@ -28,7 +28,7 @@ class Attention(hk.Module):
     super().__init__(name=name)
     self.heads, self.causal = heads, causal
 
-  def __call__(self, x, memory=None, mask=None):
+  def __call__(self, x, memory=None):
     memory = x if memory is None else memory
     b, s, d = x.shape
     t, h = memory.shape[1], self.heads
@@ -38,8 +38,6 @@ class Attention(hk.Module):
     logits = jnp.einsum("bshd,bthd->bhst", q, k) / math.sqrt(d // h)
     if self.causal:
       logits = jnp.where(jnp.tril(jnp.ones((s, t), bool)), logits, -1e9)
-    if mask is not None:  # [b, t]: which memory positions are real
-      logits = jnp.where(mask[:, None, None, :], logits, -1e9)
     weights = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bhst,bthd->bshd", weights, v).reshape(b, s, d)
     return hk.Linear(d, name="out")(out)
@@ -51,12 +49,11 @@ def mlp(x, hidden: int, activation=jax.nn.gelu):
   return hk.Linear(x.shape[-1], name="w_out")(h)
 
 
-def pre_ln_block(x, memory=None, mask=None, *, heads: int, hidden: int, causal: bool):
+def pre_ln_block(x, memory=None, *, heads: int, hidden: int, causal: bool):
   """A pre-LayerNorm transformer block: self-attention, optional cross-attention, MLP."""
-  x = x + Attention(heads, causal, name="attn")(layer_norm("ln1")(x), mask=None if memory
-                                                 is not None else mask)
+  x = x + Attention(heads, causal, name="attn")(layer_norm("ln1")(x))
   if memory is not None:
-    x = x + Attention(heads, name="cross")(layer_norm("ln_cross")(x), memory, mask)
+    x = x + Attention(heads, name="cross")(layer_norm("ln_cross")(x), memory)
   return x + mlp(layer_norm("ln2")(x), hidden)
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from corpus import layers as L
+from partitioner.errors import WorkloadError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,6 @@ def _forward(c: ViTConfig):
 def make(config: ViTConfig):
   """(train_step, init) for the config; init(key) -> (params, opt_state, batch)."""
   if config.image % config.patch:
-    from partitioner.errors import WorkloadError
     raise WorkloadError(f"vit: image {config.image} is not a multiple of patch {config.patch}")
   net = _forward(config)
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(config.lr, weight_decay=0.05))

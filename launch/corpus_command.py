@@ -71,7 +71,7 @@ def run(args) -> int:
   if args.table:
     return _table(args)
   from corpus import FAMILIES
-  from corpus.experts import experts
+  from corpus.experts import STRATEGIES, experts
   import dataclasses
   families = [f for f in FAMILIES.values() if args.split in (None, f.split)]
   if args.json:
@@ -79,7 +79,9 @@ def run(args) -> int:
         "split": f.split, "description": f.description, "presets": list(f.presets),
         "knobs": {k.name: getattr(f.presets[f.default], k.name)
                   for k in dataclasses.fields(f.presets[f.default])},
-        "experts": experts(f.name)} for f in families}, args.json)
+        "experts": {name: {"schedule": schedule, "description": STRATEGIES[name].description}
+                    for name, schedule in experts(f.name).items()}} for f in families},
+        args.json)
     if args.json == "-":
       return 0
   rows = [(f.name, f.split, ", ".join(f.presets), ", ".join(experts(f.name)), f.description)
@@ -92,7 +94,6 @@ def run(args) -> int:
 def _table(args) -> int:
   from rich.progress import Progress
   from corpus import reference
-  from corpus.registry import parse
   from partitioner.cost import Placement, load_hardware
   from partitioner.errors import WorkloadError
   from partitioner.mesh import Mesh
@@ -105,16 +106,11 @@ def _table(args) -> int:
     if args.global_batch < 1:
       raise WorkloadError(f"--global-batch must be positive, got {args.global_batch}")
     models = [f"{m}{',' if ':' in m else ':'}batch={args.global_batch}" for m in models]
-  for spec in models:
-    parse(spec)
-  entries = []
   with Progress(transient=True, disable=args.json == "-") as progress:
     task = progress.add_task("strategies", total=None)
-    for spec in models:
-      progress.update(task, description=f"tracing {spec}")
-      entries += reference.evaluate_model(
-          spec, mesh, hardware, order,
-          progress=lambda label: progress.update(task, description=label, advance=1))
+    entries = reference.reference_table(
+        models, mesh, hardware, order,
+        progress=lambda label: progress.update(task, description=label, advance=1))
   if args.json:
     report.write_json({"mesh": args.mesh, "hardware": hardware.name, "order": order,
                        "entries": [e.to_dict() for e in entries]}, args.json)

@@ -154,6 +154,8 @@ def test_corpus_lists_families_splits_and_experts(capsys):
   data = json.loads(out)
   assert set(data) == {"t5", "moe", "unet", "ssm"}
   assert data["moe"]["knobs"]["experts"] == 4 and "gshard" in data["moe"]["experts"]
+  assert data["moe"]["experts"]["gshard"]["schedule"].endswith("ExpertParallel(model)")
+  assert "GShard" in data["moe"]["experts"]["gshard"]["description"]
 
 
 def test_corpus_table_marks_the_best_and_writes_json(capsys, tmp_path):
