@@ -27,6 +27,7 @@ test: install
 bench: install
 	$(PY) benchmarks/bench_partitioner.py
 	$(PY) benchmarks/bench_cost_model.py
+	$(PY) benchmarks/bench_environment.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

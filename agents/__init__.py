@@ -1,2 +1,3 @@
 """Acme-style interfaces (`core`, `adders`, `specs`, `counting`, `loggers`,
-`environment_loop`) and, to come, the agents: expert, random, greedy, MCTS, learned policy."""
+`environment_loop`) and the search agents (`expert`, `baselines`, `beam`, `mcts`), which plan
+with clones of the partitioning environment."""

@@ -1,4 +1,11 @@
-"""The dm-env partitioning environment (tasks, observations, action space, reward).
+"""The dm-env partitioning environment: tasks, observations, action space, reward."""
 
-Not built yet: see the open issue on the environment and search agents.
-"""
+from environments.actions import Action, DecisionPoint, decision_points
+from environments.observations import Sizes
+from environments.partitioning_env import (EnvConfig, InvalidActionError, PartitioningEnv,
+                                           TaskContext, task_context)
+from environments.tasks import Task, TaskDistribution, format_bytes, parse_bytes
+
+__all__ = ["Action", "DecisionPoint", "EnvConfig", "InvalidActionError", "PartitioningEnv",
+           "Sizes", "Task", "TaskContext", "TaskDistribution", "decision_points", "format_bytes",
+           "parse_bytes", "task_context"]

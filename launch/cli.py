@@ -7,9 +7,9 @@ import argparse
 import os
 import sys
 
-from launch import corpus_command, hardware_command, partition_command
+from launch import corpus_command, hardware_command, partition_command, search_command
 
-COMMANDS = (partition_command, corpus_command, hardware_command)
+COMMANDS = (partition_command, search_command, corpus_command, hardware_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

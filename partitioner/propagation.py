@@ -13,6 +13,7 @@ those changes reach.
 
 from __future__ import annotations
 
+import collections
 import heapq
 from typing import Callable, NamedTuple, Sequence
 
@@ -123,6 +124,15 @@ class ShardingState:
     new._conflict_keys = set(self._conflict_keys)
     new.phase = self.phase
     new.changed = set()
+    return new
+
+  def scratch(self) -> "ShardingState":
+    """A copy for a dry run of tiles: its origins are layered over this state's, not copied."""
+    new = object.__new__(ShardingState)
+    new.__dict__.update(self.__dict__)
+    new.dims, new.prio, new.forbidden = list(self.dims), list(self.prio), dict(self.forbidden)
+    new.origin = collections.ChainMap({}, self.origin)
+    new.conflicts, new._conflict_keys, new.changed = [], set(), set()
     return new
 
   def sharding(self, vid: int) -> Sharding:

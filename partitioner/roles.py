@@ -84,7 +84,6 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
 
 
 @functools.lru_cache(maxsize=64)
-@functools.lru_cache(maxsize=64)
 def forward_ops(program: Program) -> frozenset[int]:
   """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on."""
   targets = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
@@ -138,7 +137,8 @@ class MegatronPair(NamedTuple):
   rows: tuple          # ((weight, dim), ...) that contract that dimension afterwards
 
 
-def megatron_pairs(program: Program, axis_size: int) -> list[MegatronPair]:
+@functools.lru_cache(maxsize=64)
+def megatron_pairs(program: Program, axis_size: int) -> tuple[MegatronPair, ...]:
   """Column/row weight pairs: a weight's output dimension that flows, through pass-through
   ops only (no reduction over it), into the contracting dimension of other weights."""
   params = frozenset(roles(program).params)
@@ -176,7 +176,7 @@ def megatron_pairs(program: Program, axis_size: int) -> list[MegatronPair]:
         pairs.append(MegatronPair(w, dmap[fd], rows))
         assigned.add(w)
         assigned.update(r[0] for r in rows)
-  return pairs
+  return tuple(pairs)
 
 
 def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
@@ -226,7 +226,8 @@ def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
   return rows
 
 
-def expert_weights(program: Program) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=64)
+def expert_weights(program: Program) -> tuple[tuple[int, int], ...]:
   """(parameter, expert dim) of weights that a forward-pass dot_general treats as a batch
   dimension: one weight slice per expert, as in `einsum("becd,edh->bech", x, w)`."""
   params = frozenset(roles(program).params)
@@ -244,10 +245,11 @@ def expert_weights(program: Program) -> list[tuple[int, int]]:
         entry = (src[0], src[1][d])
         if entry not in found:
           found.append(entry)
-  return found
+  return tuple(found)
 
 
-def embedding_tables(program: Program) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=64)
+def embedding_tables(program: Program) -> tuple[tuple[int, int], ...]:
   """(parameter, looked-up dim) of the forward pass's point-wise gathers from parameters."""
   params = frozenset(roles(program).params)
   forward = forward_ops(program)
@@ -265,4 +267,4 @@ def embedding_tables(program: Program) -> list[tuple[int, int]]:
         entry = (src[0], src[1][d])
         if entry not in found:
           found.append(entry)
-  return found
+  return tuple(found)

@@ -37,8 +37,9 @@ class TacticReport(NamedTuple):
 class TacticContext:
   """What a tactic works with: the program, the mesh, the state it refines, its position."""
 
-  def __init__(self, state: ShardingState, index: int):
+  def __init__(self, state: ShardingState, index: int, dry_run: bool = False):
     self.state = state
+    self.dry_run = dry_run    # tile (and so check) the targets, but do not propagate
     self.program = state.program
     self.mesh = state.mesh
     self.index = index
@@ -66,7 +67,9 @@ class TacticContext:
 
   def propagate(self) -> None:
     """Propagates what was tiled since the last call, as its own priority phase."""
-    if self._seeds:
+    if self._seeds and self.dry_run:
+      self._seeds = []
+    elif self._seeds:
       start = time.perf_counter()
       self.visits += self.state.propagate(self._seeds, self.index)
       self.propagate_s += time.perf_counter() - start

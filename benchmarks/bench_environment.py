@@ -1,0 +1,100 @@
+"""Partitioning-environment speed on the GPT and MoE corpus entries, as agents use it.
+
+For each task: the one-off set-up (trace, action space, static arrays, first simulation);
+steps per second of random legal episodes that reach new states (apply the tactic, update the
+SPMD plan, re-simulate, mask and observe); steps per second replaying the same episodes (the
+task's cache of states, what search revisits cost); and MCTS simulations per second.
+Goal (issue 5): at least 200 new-state steps/s for a 12-layer GPT task on one core.
+Prints a table and writes benchmarks/results/environment.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+from agents.mcts import MCTSActor  # noqa: E402
+from environments import PartitioningEnv, Task, task_context  # noqa: E402
+
+TASKS = (
+    ("gpt 12 layers", Task("gpt:125m", "batch=4,model=8")),
+    ("gpt 2 layers", Task("gpt:small,d_model=768,heads=12,vocab=50304,seq=1024,batch=64",
+                          "batch=4,model=8")),
+    ("moe 2 layers", Task("moe:small", "batch=2,model=4")),
+)
+
+
+def measure(label: str, task: Task, steps: int, simulations: int, seed: int = 0) -> dict:
+  task_context.cache_clear()
+  start = time.perf_counter()
+  env = PartitioningEnv(task, seed=seed)
+  setup_s = time.perf_counter() - start
+  ctx = env.context
+  # Random episodes: every step reaches a state not seen before (checked below).
+  rng = np.random.default_rng(seed)
+  episodes, taken = [], 0
+  start = time.perf_counter()
+  while taken < steps:
+    ts, actions = env.reset(), []
+    while not ts.last() and taken < steps:
+      a = int(rng.choice(env.legal_actions()))
+      ts = env.step(a)
+      actions.append(a)
+      taken += 1
+    episodes.append(actions)
+  fresh_s = time.perf_counter() - start
+  new_states = len(ctx._cache)
+  # The same episodes again, from the cache.
+  start = time.perf_counter()
+  for actions in episodes:
+    env.reset()
+    for a in actions:
+      env.step(a)
+  cached_s = time.perf_counter() - start
+  env.reset()
+  actor = MCTSActor(env, budget=simulations)
+  start = time.perf_counter()
+  plan = actor.plan(env.clone())
+  mcts_s = time.perf_counter() - start
+  return {"task": label, "model": task.model, "mesh": task.mesh, "ops": ctx.program.num_ops,
+          "values": len(ctx.program.values), "actions": len(ctx.actions), "setup_s": setup_s,
+          "steps": taken, "new_states": new_states, "steps_per_s": taken / fresh_s,
+          "cached_steps_per_s": taken / cached_s, "mcts_simulations": plan.simulations,
+          "mcts_simulations_per_s": plan.simulations / mcts_s}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--steps", type=int, default=40, help="random steps per task")
+  parser.add_argument("--simulations", type=int, default=40, help="MCTS simulations per task")
+  parser.add_argument("--out", default="benchmarks/results/environment.json")
+  args = parser.parse_args(argv)
+  rows = [measure(label, task, args.steps, args.simulations) for label, task in TASKS]
+  header = ("task", "ops", "actions", "set-up", "steps/s", "cached steps/s", "MCTS sims/s")
+  print("".join(f"{h:>16s}" for h in header))
+  for r in rows:
+    cells = (r["task"], r["ops"], r["actions"], f"{r['setup_s']:.1f} s", f"{r['steps_per_s']:.1f}",
+             f"{r['cached_steps_per_s']:.0f}", f"{r['mcts_simulations_per_s']:.1f}")
+    print("".join(f"{c:>16}" for c in cells))
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"benchmark": "environment", "goal_steps_per_s": 200,
+                             "machine": platform.machine(), "python": platform.python_version(),
+                             "rows": rows}, indent=2) + "\n")
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

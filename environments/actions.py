@@ -1,0 +1,141 @@
+"""The action space of a task: tile a decision point, apply a manual tactic, or finish.
+
+A decision point is a set of function inputs that one tactic would treat alike: the same
+parameter in every layer (`params/gpt/layer_*/attn/query/w`), the optimizer state of those
+parameters (`opt_state/**/layer_*/attn/query/w`), a data input. Tiling one shards a whole
+role at once, and its glob pattern is exactly its members, so the action is written as a
+`Tile` tactic that `shardzero partition --tactics` replays.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple, Sequence
+
+from partitioner import roles as R
+from partitioner.errors import ShardzeroError
+from partitioner.ir import Program
+from partitioner.mesh import Mesh
+from partitioner.propagation import ShardingState
+from partitioner.tactics import (BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
+                                 SequenceParallel, Tactic, TacticContext, Tile, ZeRO)
+
+ROLES = ("param", "opt", "data")
+# The manual tactics an agent may apply, per mesh axis; the action feature `kind` indexes this.
+TACTIC_KINDS = ("tile", "BatchParallel", "Megatron", "ZeRO", "EmbeddingSharding",
+                "ExpertParallel", "SequenceParallel", "finish")
+
+
+class DecisionPoint(NamedTuple):
+  pattern: str                 # a glob that matches exactly `members`
+  role: str                    # "param", "opt" or "data"
+  members: tuple[int, ...]     # input value ids
+  shape: tuple[int, ...]
+
+
+class Action(NamedTuple):
+  kind: str                    # one of TACTIC_KINDS
+  tactic: Tactic | None        # None for finish
+  point: int = -1              # decision point of a tile action
+  dim: int = -1
+  axis: str | None = None
+
+  def __str__(self) -> str:
+    return "Finish" if self.tactic is None else str(self.tactic)
+
+
+def _layerless(path: str) -> str:
+  """`gpt/layer_3/attn/w` -> `gpt/layer_*/attn/w`: numbered module instances become one."""
+  return "/".join(re.sub(r"_\d+$", "_*", seg) for seg in path.split("/"))
+
+
+def decision_points(program: Program) -> list[DecisionPoint]:
+  """The inputs with at least one dimension, grouped by role, layer-free path and shape."""
+  roles = R.roles(program)
+  role_of = {**{v: "param" for v in roles.params}, **{v: "opt" for v in roles.opt_state},
+             **{v: "data" for v in roles.data}}
+  groups: dict[tuple, list[int]] = {}
+  for vid, name in zip(program.inputs, program.input_names):
+    v, role = program.values[vid], role_of.get(vid)
+    if role is None or v.rank == 0 or v.size == 1:
+      continue
+    pattern = name
+    if role == "opt":
+      p = R.matching_param(program, vid)
+      if p is not None:
+        pattern = name.split("/", 1)[0] + "/**/" + _layerless(program.name(p).split("/", 1)[1])
+    else:
+      pattern = _layerless(name)
+    groups.setdefault((role, pattern, v.shape), []).append(vid)
+  points = []
+  for (role, pattern, shape), members in groups.items():
+    if set(program.match(pattern)) == set(members):
+      points.append(DecisionPoint(pattern, role, tuple(members), shape))
+    else:  # the pattern would reach other inputs: one point per input, named exactly
+      points.extend(DecisionPoint(program.name(m), role, (m,), shape) for m in members)
+  return points
+
+
+def manual_tactics(mesh: Mesh) -> list[tuple[str, Tactic]]:
+  out = []
+  for a in mesh.names:
+    out += [("BatchParallel", BatchParallel(a)), ("Megatron", Megatron(a))]
+    out += [("ZeRO", ZeRO(a, stage=s)) for s in (1, 2, 3)]
+    out += [("EmbeddingSharding", EmbeddingSharding(a)), ("ExpertParallel", ExpertParallel(a)),
+            ("SequenceParallel", SequenceParallel(a))]
+  return out
+
+
+def check_tactic(tactic: Tactic, state: ShardingState, index: int) -> str | None:
+  """Why `tactic` cannot be applied to `state` (None if it can): a dry run that tiles its
+  targets on a scratch copy without propagating. Every tactic but ZeRO tiles all its targets
+  before it propagates, so the dry run fails exactly where applying it would; ZeRO chooses
+  its dimensions after propagating the batch, and never fails once it applies to the program
+  at all, so the environment only keeps it from being applied twice over one axis."""
+  ctx = TacticContext(state.scratch(), index, dry_run=True)
+  try:
+    tactic.apply(ctx)
+  except ShardzeroError as e:
+    return str(e)
+  if not ctx.targets:
+    return "it changes nothing here"
+  return None
+
+
+def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint]) -> list[Action]:
+  """Every action of a task: the tiles that divide, the manual tactics that apply to the
+  unpartitioned program (one that does not never will), and finish (last)."""
+  sizes = mesh.sizes
+  actions = []
+  for k, point in enumerate(points):
+    for dim, n in enumerate(point.shape):
+      for a in mesh.names:
+        if sizes[a] > 1 and n % sizes[a] == 0:
+          actions.append(Action("tile", Tile(point.pattern, dim, a), k, dim, a))
+  root = ShardingState(program, mesh)
+  for kind, tactic in manual_tactics(mesh):
+    if sizes[tactic.axis] > 1 and check_tactic(tactic, root, 0) is None:
+      actions.append(Action(kind, tactic, axis=tactic.axis))
+  actions.append(Action("finish", None))
+  return actions
+
+
+def tile_problem(state: ShardingState, point: DecisionPoint, dim: int, axis: str) -> str | None:
+  """Why tiling `dim` of a decision point over `axis` is not allowed now (None if it is)."""
+  program, size = state.program, state.sizes[axis]
+  for m in point.members:
+    for vid in (m,) + R.aliased_outputs(program, m):
+      dims = state.dims[vid]
+      for d, axes in enumerate(dims):
+        if axis in axes:
+          return (f"{program.name(vid)} is already sharded over {axis!r}"
+                  + ("" if d == dim else f" on dimension {d}"))
+      if axis in state.forbidden.get(vid, ()):
+        return f"an earlier tactic keeps {program.name(vid)} replicated over {axis!r}"
+      count = size
+      for a in dims[dim]:
+        count *= state.sizes[a]
+      if point.shape[dim] % count:
+        return (f"dimension {dim} of {program.name(vid)} ({point.shape[dim]}) does not divide "
+                f"by {count}")
+  return None

@@ -1,0 +1,187 @@
+"""Observations: the IR as padded graph arrays a jitted network can consume.
+
+Nodes are the program's values (tensors carry shardings); an edge joins each operand of an op
+to each of its results, given in both directions. What does not depend on the sharding (node
+and edge arrays, action features) is built once per task; the sharding features are updated
+from the values a step changed. Sizes are padded up to powers of two (size buckets), so tasks
+of similar size share shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+from dm_env import specs
+
+from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
+from partitioner import roles as R
+from partitioner.cost.compute import ProgramWork
+from partitioner.cost.hardware import Hardware
+from partitioner.errors import WorkloadError
+from partitioner.ir import Program
+from partitioner.mesh import Mesh
+from partitioner.rules import FACTOR_RULES
+
+MAX_RANK = 6      # dimensions beyond this share the last slot
+MAX_AXES = 4      # mesh axes an observation can describe
+# Node kind ids: 0 padding, 1 an input, 2 a primitive without a rule, then the known primitives.
+PRIMITIVES = tuple(sorted(FACTOR_RULES))
+KIND_IDS = {p: i + 3 for i, p in enumerate(PRIMITIVES)}
+NUM_KINDS = len(PRIMITIVES) + 3
+NODE_FEATURES = MAX_RANK + 7 + len(ROLES)
+SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1
+ACTION_FEATURES = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1 + len(ROLES) + 2
+GLOBAL_FEATURES = MAX_AXES + 1 + 7 + 8
+
+
+class Sizes(NamedTuple):
+  nodes: int
+  edges: int
+  actions: int
+
+  @classmethod
+  def bucket(cls, nodes: int, edges: int, actions: int) -> "Sizes":
+    up = lambda n, least: max(least, 1 << math.ceil(math.log2(max(n, 1))))
+    return cls(up(nodes, 256), up(edges, 512), up(actions, 64))
+
+  def covers(self, other: "Sizes") -> bool:
+    return all(a >= b for a, b in zip(self, other))
+
+
+def _log(x, scale):
+  return np.log2(np.asarray(x, np.float64) + 1.0) / scale
+
+
+def observation_spec(sizes: Sizes) -> dict:
+  n, e, a = sizes
+  f32 = np.float32
+  return {
+      "node_kind": specs.BoundedArray((n,), np.int32, 0, NUM_KINDS - 1, "node_kind"),
+      "nodes": specs.Array((n, NODE_FEATURES), f32, "nodes"),
+      "node_sharding": specs.Array((n, SHARDING_FEATURES), f32, "node_sharding"),
+      "node_mask": specs.Array((n,), bool, "node_mask"),
+      "senders": specs.BoundedArray((e,), np.int32, 0, n - 1, "senders"),
+      "receivers": specs.BoundedArray((e,), np.int32, 0, n - 1, "receivers"),
+      "edge_direction": specs.BoundedArray((e,), np.int32, 0, 1, "edge_direction"),
+      "edge_mask": specs.Array((e,), bool, "edge_mask"),
+      "actions": specs.Array((a, ACTION_FEATURES), f32, "actions"),
+      "action_node": specs.BoundedArray((a,), np.int32, 0, n - 1, "action_node"),
+      "action_mask": specs.Array((a,), bool, "action_mask"),
+      "globals": specs.Array((GLOBAL_FEATURES,), f32, "globals"),
+  }
+
+
+class StaticGraph:
+  """The sharding-independent arrays of one task's observation."""
+
+  def __init__(self, program: Program, mesh: Mesh, hardware: Hardware,
+               points: Sequence[DecisionPoint], actions: Sequence[Action],
+               pad_to: Sizes | None = None):
+    if len(mesh.names) > MAX_AXES:
+      raise WorkloadError(f"observations describe meshes of at most {MAX_AXES} axes; "
+                          f"{mesh} has {len(mesh.names)}")
+    self.program, self.mesh = program, mesh
+    self.axis_index = {a: i for i, a in enumerate(mesh.names)}
+    values, ops = program.values, program.ops
+    pairs = [(i, o) for op in ops for i in dict.fromkeys(op.inputs) for o in op.outputs]
+    need = Sizes(len(values), 2 * len(pairs), len(actions))
+    self.sizes = pad_to or Sizes.bucket(*need)
+    if not self.sizes.covers(need):
+      raise WorkloadError(f"this task needs observation sizes {tuple(need)}, more than the "
+                          f"padding {tuple(self.sizes)}")
+    n, e, a = self.sizes
+    # Nodes.
+    kind = np.zeros(n, np.int32)
+    feats = np.zeros((n, NODE_FEATURES), np.float32)
+    role = {}
+    roles = R.roles(program)
+    for r, ids in zip(ROLES, (roles.params, roles.opt_state, roles.data)):
+      role.update({v: r for v in ids})
+    work = ProgramWork.of(program)
+    outputs = set(program.outputs)
+    for v in values:
+      kind[v.id] = 1 if v.producer is None else KIND_IDS.get(ops[v.producer].name, 2)
+      row = feats[v.id]
+      for d, size in enumerate(v.shape):
+        row[min(d, MAX_RANK - 1)] += _log(size, 20)
+      flops = work.work[v.producer].flops if v.producer is not None else 0
+      row[MAX_RANK:MAX_RANK + 7] = (v.rank / MAX_RANK, v.dtype.itemsize / 8, _log(v.nbytes, 40),
+                                    _log(flops, 60), v.producer is None, v.id in outputs,
+                                    v.is_const)
+      if v.id in role:
+        row[MAX_RANK + 7 + ROLES.index(role[v.id])] = 1
+    self.node_kind, self.nodes = kind, feats
+    self.node_mask = np.arange(n) < len(values)
+    # Edges: operand -> result, then result -> operand.
+    senders = np.zeros(e, np.int32)
+    receivers = np.zeros(e, np.int32)
+    direction = np.zeros(e, np.int32)
+    if pairs:
+      src, dst = np.array(pairs, np.int32).T
+      m = len(pairs)
+      senders[:m], receivers[:m] = src, dst
+      senders[m:2 * m], receivers[m:2 * m], direction[m:2 * m] = dst, src, 1
+    self.senders, self.receivers, self.edge_direction = senders, receivers, direction
+    self.edge_mask = np.arange(e) < 2 * len(pairs)
+    # Actions.
+    act = np.zeros((a, ACTION_FEATURES), np.float32)
+    node = np.zeros(a, np.int32)
+    base_axis = len(TACTIC_KINDS) + 1
+    base_dim = base_axis + MAX_AXES + 1
+    base_role = base_dim + MAX_RANK + 1
+    for i, action in enumerate(actions):
+      row = act[i]
+      row[TACTIC_KINDS.index(action.kind)] = 1
+      if action.kind == "ZeRO":
+        row[len(TACTIC_KINDS)] = action.tactic.stage / 3
+      if action.axis is not None:
+        row[base_axis + self.axis_index[action.axis]] = 1
+        row[base_axis + MAX_AXES] = _log(mesh.size(action.axis), 12)
+      if action.point >= 0:
+        point = points[action.point]
+        row[base_dim + min(action.dim, MAX_RANK - 1)] = 1
+        row[base_dim + MAX_RANK] = _log(point.shape[action.dim], 20)
+        row[base_role + ROLES.index(point.role)] = 1
+        nbytes = sum(values[m].nbytes for m in point.members)
+        row[base_role + len(ROLES)] = _log(nbytes, 40)
+        row[base_role + len(ROLES) + 1] = _log(len(point.members), 10)
+        node[i] = point.members[0]
+    self.actions, self.action_node = act, node
+    # Globals that do not change: the mesh and the hardware.
+    g = np.zeros(MAX_AXES + 1 + 7, np.float32)
+    for i, size in enumerate(mesh.shape):
+      g[i] = _log(size, 12)
+    g[MAX_AXES] = _log(mesh.device_count, 12)
+    g[MAX_AXES + 1:] = (_log(hardware.flops("float32"), 60), _log(hardware.flops("bfloat16"), 60),
+                        _log(hardware.hbm_bytes, 40), _log(hardware.hbm_bandwidth, 40),
+                        _log(hardware.intra.bandwidth, 40), _log(hardware.inter.bandwidth, 40),
+                        _log(hardware.node_size, 12))
+    self.static_globals = g
+    self._rows: dict = {}
+
+  def sharding_rows(self, dims_list: Sequence, ids: Sequence[int], decided: Sequence[bool],
+                    into: np.ndarray) -> None:
+    """Writes the sharding features of values `ids` (one-hot dim x axis, decided flag)."""
+    rows = self._rows
+    for vid, flag in zip(ids, decided):
+      key = (dims_list[vid], flag)
+      row = rows.get(key)
+      if row is None:
+        row = np.zeros(SHARDING_FEATURES, np.float32)
+        for d, axes in enumerate(key[0]):
+          for a in axes:
+            row[min(d, MAX_RANK - 1) * MAX_AXES + self.axis_index[a]] = 1
+        row[-1] = flag
+        rows[key] = row
+      into[vid] = row
+
+  def observation(self, sharding: np.ndarray, mask: np.ndarray, dynamic: Sequence[float]) -> dict:
+    return {
+        "node_kind": self.node_kind, "nodes": self.nodes, "node_sharding": sharding,
+        "node_mask": self.node_mask, "senders": self.senders, "receivers": self.receivers,
+        "edge_direction": self.edge_direction, "edge_mask": self.edge_mask,
+        "actions": self.actions, "action_node": self.action_node, "action_mask": mask,
+        "globals": np.concatenate([self.static_globals, np.asarray(dynamic, np.float32)]),
+    }

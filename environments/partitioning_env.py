@@ -1,0 +1,327 @@
+"""`PartitioningEnv`: choosing tactics for a task as a dm-env environment.
+
+Each step applies one action (tile a decision point, a manual tactic, or finish) with the
+rewriting partitioner and re-simulates the result. The reward is the normalised improvement of
+the simulated step time, less a penalty for every step that ends over the memory budget:
+
+    r_t = (c_{t-1} - c_t) / c_0 - memory_penalty * (1 + (peak_t - budget) / budget)  if over,
+    r_t = (c_{t-1} - c_t) / c_0                                                     otherwise,
+
+so the undiscounted return is (c_0 - c_T) / c_0 minus the penalties. The fixed part makes
+fitting the budget matter more than any speed-up (which is below 1), as it does in practice. An episode ends on
+finish, when nothing but finish is legal, or after `max_steps` (a truncation: discount 1).
+
+States reached by the same actions are shared through a per-task cache, so clones (what search
+agents plan with) and repeated episodes re-simulate nothing they have seen.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+from typing import NamedTuple, Sequence
+
+import dm_env
+import numpy as np
+from dm_env import specs
+
+from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
+                                  decision_points, tile_problem)
+from environments.observations import SHARDING_FEATURES, Sizes, StaticGraph, observation_spec
+from environments.tasks import Task, TaskDistribution, load_program
+from partitioner.errors import ShardzeroError
+from partitioner.mesh import Mesh
+from partitioner.partition import PartitionedProgram
+from partitioner.tactics import Tile, ZeRO
+
+
+class InvalidActionError(ShardzeroError):
+  """An action that is out of range or masked in the current state."""
+
+
+class StateInfo(NamedTuple):
+  """One partitioning state of a task, with what was derived from it."""
+  pp: PartitionedProgram
+  cost: object                     # CostReport
+  mask: np.ndarray                 # legal actions (bool, padded)
+  sharding: np.ndarray             # node sharding features
+  problems: dict                   # action index -> why it is masked (filled on demand)
+  key: int                         # equal for equal partitioning states (transpositions)
+
+
+class TaskContext:
+  """What every episode of one task shares: the program, the action space, the static arrays,
+  the simulator and the cache of states by action sequence."""
+
+  def __init__(self, task: Task, pad_to: Sizes | None = None, cache_size: int = 256):
+    from partitioner.cost import Simulator, load_hardware
+    self.task = task
+    self.program = program = load_program(task.model)
+    self.mesh = mesh = Mesh.parse(task.mesh)
+    self.hardware = load_hardware(task.hardware)
+    self.budget = task.memory_budget or self.hardware.hbm_bytes
+    self.simulator = Simulator(program, mesh, self.hardware)
+    self.points: list[DecisionPoint] = decision_points(program)
+    self.actions: list[Action] = action_space(program, mesh, self.points)
+    self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
+    self.finish = len(self.actions) - 1
+    self.index = {str(a): i for i, a in enumerate(self.actions)}
+    self._members = {m for p in self.points for m in p.members}
+    self._cache: collections.OrderedDict = collections.OrderedDict()
+    self.cache_size = cache_size
+    self.root = self._make(PartitionedProgram(program, mesh), None)
+
+  # ---------------------------------------------------------------------------------- states
+  def state(self, history: tuple[int, ...], parent: StateInfo) -> StateInfo:
+    """The state after `history` (whose last action is applied to `parent`)."""
+    info = self._cache.get(history)
+    if info is not None:
+      self._cache.move_to_end(history)
+      return info
+    action = self.actions[history[-1]]
+    info = self._make(parent.pp.apply(action.tactic), parent)
+    self._cache[history] = info
+    if len(self._cache) > self.cache_size:
+      self._cache.popitem(last=False)
+    return info
+
+  def _make(self, pp: PartitionedProgram, parent: StateInfo | None) -> StateInfo:
+    state = pp.state
+    if parent is None:
+      sharding = np.zeros((self.graph.sizes.nodes, SHARDING_FEATURES), np.float32)
+      changed = range(len(self.program.values))
+    else:
+      sharding = parent.sharding.copy()
+      changed = sorted(state.changed)
+    origin = state.origin
+    decided = [v in self._members and any(
+        (o := origin.get((v, a))) is not None and o.op is None for d in state.dims[v] for a in d)
+        for v in changed]
+    self.graph.sharding_rows(state.dims, changed, decided, sharding)
+    key = hash((tuple(state.dims), tuple(sorted(state.forbidden.items())),
+                frozenset(str(t) for t in pp.schedule if not isinstance(t, Tile))))
+    return StateInfo(pp, self.simulator(pp), self._mask(pp), sharding, {}, key)
+
+  def _mask(self, pp: PartitionedProgram) -> np.ndarray:
+    mask = np.zeros(self.graph.sizes.actions, bool)
+    applied = {str(t) for t in pp.schedule}
+    zero_axes = {t.axis for t in pp.schedule if isinstance(t, ZeRO)}
+    state = pp.state
+    for i, action in enumerate(self.actions):
+      if action.kind == "tile":
+        mask[i] = tile_problem(state, self.points[action.point], action.dim, action.axis) is None
+      elif action.kind == "finish":
+        mask[i] = True
+      elif action.kind == "ZeRO":
+        mask[i] = action.axis not in zero_axes
+      elif str(action) not in applied:
+        mask[i] = check_tactic(action.tactic, state, len(pp.schedule)) is None
+    return mask
+
+  def problem(self, info: StateInfo, index: int) -> str:
+    """Why action `index` is masked in `info`."""
+    if index not in info.problems:
+      action, pp = self.actions[index], info.pp
+      if action.kind == "tile":
+        why = tile_problem(pp.state, self.points[action.point], action.dim, action.axis)
+      elif action.kind == "ZeRO":
+        why = f"ZeRO over {action.axis!r} was applied already"
+      elif str(action) in {str(t) for t in pp.schedule}:
+        why = "it was applied already"
+      else:
+        why = check_tactic(action.tactic, pp.state, len(pp.schedule))
+      info.problems[index] = why or "it is not legal here"
+    return info.problems[index]
+
+
+@functools.lru_cache(maxsize=8)
+def task_context(task: Task, pad_to: Sizes | None = None) -> TaskContext:
+  """The shared context of a task (the last few tasks are kept, with their cached states)."""
+  return TaskContext(task, pad_to)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  max_steps: int = 24
+  memory_penalty: float = 1.0
+
+
+class PartitioningEnv(dm_env.Environment):
+  """Partitioning one task per episode, drawn from `tasks` (a `Task`, a list of tasks, or a
+  `TaskDistribution`) with the environment's own seeded generator."""
+
+  def __init__(self, tasks: Task | Sequence[Task] | TaskDistribution, *, seed: int = 0,
+               config: EnvConfig = EnvConfig(), pad_to: Sizes | None = None):
+    if isinstance(tasks, Task):
+      tasks = [tasks]
+    if not isinstance(tasks, TaskDistribution) and not tasks:
+      raise ShardzeroError("PartitioningEnv needs at least one task")
+    self._tasks = tasks
+    self._rng = np.random.default_rng(seed)
+    self.config = config
+    self._pad_to = pad_to
+    self._ctx: TaskContext | None = None
+    self._info: StateInfo | None = None
+    self._history: tuple[int, ...] = ()
+    self._done = True
+    self._fresh = True
+    if not isinstance(tasks, TaskDistribution) and len(tasks) == 1:
+      self._ctx = task_context(tasks[0], pad_to)   # specs are known before the first reset
+
+  # ------------------------------------------------------------------------------ dm_env API
+  def reset(self) -> dm_env.TimeStep:
+    if isinstance(self._tasks, TaskDistribution):
+      task = self._tasks.sample(self._rng)
+    else:
+      task = self._tasks[int(self._rng.integers(len(self._tasks)))]
+    self._ctx = task_context(task, self._pad_to)
+    self._info, self._history = self._ctx.root, ()
+    self._done, self._fresh = False, False
+    return dm_env.restart(self._observation())
+
+  def step(self, action) -> dm_env.TimeStep:
+    if self._done:
+      return self.reset()
+    ctx, info = self._ctx, self._info
+    index = self._check(action)
+    history = self._history + (index,)
+    if index == ctx.finish:
+      next_info = info
+    else:
+      next_info = ctx.state(history, info)
+    c0 = ctx.root.cost.step_time_s
+    reward = (info.cost.step_time_s - next_info.cost.step_time_s) / c0 - self.penalty(next_info)
+    self._info, self._history = next_info, history
+    legal = np.flatnonzero(next_info.mask)
+    if index == ctx.finish or (len(legal) == 1 and legal[0] == ctx.finish):
+      self._done = True
+      return dm_env.termination(np.float64(reward), self._observation())
+    if len(history) >= self.config.max_steps:
+      self._done = True
+      return dm_env.truncation(np.float64(reward), self._observation())
+    return dm_env.transition(np.float64(reward), self._observation())
+
+  def observation_spec(self):
+    return observation_spec(self._context().graph.sizes)
+
+  def action_spec(self) -> specs.DiscreteArray:
+    return specs.DiscreteArray(self._context().graph.sizes.actions, name="action")
+
+  def reward_spec(self):
+    return specs.Array((), np.float64, "reward")
+
+  # ---------------------------------------------------------------------------- for agents
+  def clone(self) -> "PartitioningEnv":
+    """An independent copy in the same state (it shares the task's cached states)."""
+    new = copy.copy(self)
+    new._rng = np.random.default_rng()
+    new._rng.bit_generator.state = self._rng.bit_generator.state
+    return new
+
+  def restart_clone(self) -> "PartitioningEnv":
+    """A copy at the start of the current episode (the same task, nothing applied)."""
+    new = self.clone()
+    new._info, new._history, new._done = self._context().root, (), False
+    return new
+
+  @property
+  def task(self) -> Task:
+    return self._context().task
+
+  @property
+  def context(self) -> TaskContext:
+    return self._context()
+
+  @property
+  def partitioned(self) -> PartitionedProgram:
+    return self._state().pp
+
+  @property
+  def cost(self):
+    """The CostReport of the current state."""
+    return self._state().cost
+
+  @property
+  def history(self) -> tuple[int, ...]:
+    return self._history
+
+  @property
+  def done(self) -> bool:
+    return self._done
+
+  @property
+  def finish_action(self) -> int:
+    return self._context().finish
+
+  @property
+  def state_key(self) -> int:
+    """Equal for equal partitioning states, whatever the order of the actions that led there."""
+    return self._state().key
+
+  def observation(self) -> dict:
+    """The observation of the current state (what the last timestep carried)."""
+    self._state()
+    return self._observation()
+
+  def legal_actions(self) -> np.ndarray:
+    return np.flatnonzero(self._state().mask)
+
+  def action_name(self, index: int) -> str:
+    return str(self._context().actions[index])
+
+  def action_index(self, text: str) -> int:
+    """The index of an action written as a tactic (`"Megatron(model)"`) or `"Finish"`."""
+    from partitioner.tactics import parse_tactic
+    ctx = self._context()
+    key = "Finish" if text.strip() == "Finish" else str(parse_tactic(text))
+    if key not in ctx.index:
+      raise InvalidActionError(f"{text!r} is not an action of task {ctx.task}")
+    return ctx.index[key]
+
+  def penalty(self, info: StateInfo | None = None) -> float:
+    info = info or self._state()
+    over = info.cost.peak_memory_bytes / self._ctx.budget - 1.0
+    return self.config.memory_penalty * (1.0 + over) if over > 0 else 0.0
+
+  def score(self) -> float:
+    """What search agents maximise: the improvement of the current state over the start,
+    less one memory penalty: (c_0 - c) / c_0 - penalty."""
+    c0 = self._ctx.root.cost.step_time_s
+    return (c0 - self.cost.step_time_s) / c0 - self.penalty()
+
+  # ---------------------------------------------------------------------------- internals
+  def _context(self) -> TaskContext:
+    if self._ctx is None:
+      raise ShardzeroError("the environment has no task yet: call reset() first")
+    return self._ctx
+
+  def _state(self) -> StateInfo:
+    if self._info is None:
+      raise ShardzeroError("the environment has no state yet: call reset() first")
+    return self._info
+
+  def _check(self, action) -> int:
+    ctx = self._ctx
+    try:
+      index = int(np.asarray(action).item())
+    except (TypeError, ValueError):
+      raise InvalidActionError(f"an action is one integer, got {action!r}") from None
+    if not 0 <= index < len(ctx.actions):
+      raise InvalidActionError(f"action {index} is out of range: task {ctx.task} has "
+                               f"{len(ctx.actions)} actions (0..{len(ctx.actions) - 1})")
+    if not self._info.mask[index]:
+      raise InvalidActionError(f"action {index} ({ctx.actions[index]}) is not legal here: "
+                               f"{ctx.problem(self._info, index)}")
+    return index
+
+  def _observation(self) -> dict:
+    ctx, info = self._ctx, self._info
+    c0 = ctx.root.cost.step_time_s
+    cost = info.cost
+    dynamic = (min(cost.peak_memory_bytes / ctx.budget, 4.0), np.log2(ctx.budget + 1) / 40,
+               cost.step_time_s / c0, cost.compute_s / c0, cost.comm_s / c0,
+               cost.exposed_comm_s / c0, len(self._history) / self.config.max_steps,
+               float(cost.peak_memory_bytes <= ctx.budget))
+    return ctx.graph.observation(info.sharding, info.mask, dynamic)

@@ -1,0 +1,246 @@
+"""The partitioning environment: dm-env conformance, reward, masks, clones, reproducibility."""
+
+import dataclasses
+
+import dm_env
+import numpy as np
+import pytest
+from absl.testing import absltest
+from dm_env import test_utils
+
+import partitioner as P
+from environments import (InvalidActionError, PartitioningEnv, Task, TaskDistribution,
+                          decision_points, parse_bytes)
+from environments.tasks import data_parallel_peak, load_program
+from partitioner.cost import simulate
+from partitioner.errors import WorkloadError
+
+GPT = Task("gpt:small", "batch=2,model=4")
+MLP = Task("mlp:small", "batch=8")
+
+
+class _Conformance(test_utils.EnvironmentTestMixin):
+  task = GPT
+
+  def make_object_under_test(self):
+    self._rng = np.random.default_rng(0)
+    return PartitioningEnv(self.task, seed=1)
+
+  def make_action(self):
+    env = self.environment
+    if env._info is None or env.done:
+      return 0
+    return int(self._rng.choice(env.legal_actions()))
+
+  def make_action_sequence(self):
+    for _ in range(6):
+      yield self.make_action()
+    yield self.environment.finish_action
+
+
+class GPTConformanceTest(_Conformance, absltest.TestCase):
+  task = GPT
+
+
+class MLPConformanceTest(_Conformance, absltest.TestCase):
+  task = MLP
+
+
+class BudgetConformanceTest(_Conformance, absltest.TestCase):
+  task = dataclasses.replace(GPT, memory_budget=1)
+
+
+def _run(env, actions):
+  steps = [env.step(a) for a in actions]
+  return steps
+
+
+def test_return_is_improvement_minus_penalties():
+  env = PartitioningEnv(dataclasses.replace(GPT, memory_budget=parse_bytes("600KiB")))
+  env.reset()
+  c0 = env.cost.step_time_s
+  total, penalties = 0.0, 0.0
+  for text in ["BatchParallel(batch)", "Megatron(model)", "ZeRO(batch)", "Finish"]:
+    ts = env.step(env.action_index(text))
+    total += ts.reward
+    penalties += env.penalty()
+  assert ts.last() and ts.step_type == dm_env.StepType.LAST and ts.discount == 0.0
+  assert penalties > 0   # some states were over this budget
+  assert total == pytest.approx((c0 - env.cost.step_time_s) / c0 - penalties, rel=1e-9, abs=1e-9)
+  # The state is what the partitioner gives for the same schedule.
+  pp = P.apply(load_program(GPT.model), GPT.mesh, env.partitioned.strategy)
+  assert simulate(pp, "h100").step_time_s == pytest.approx(env.cost.step_time_s)
+
+
+def test_penalty_only_over_budget():
+  big = PartitioningEnv(GPT)
+  big.reset()
+  assert big.penalty() == 0.0
+  tight = PartitioningEnv(dataclasses.replace(GPT, memory_budget=1))
+  tight.reset()
+  assert tight.penalty() > 1.0
+  assert tight.observation()["globals"][-1] == 0.0   # does not fit
+  assert big.observation()["globals"][-1] == 1.0
+
+
+def test_masked_and_bad_actions_are_errors_and_change_nothing():
+  env = PartitioningEnv(GPT)
+  env.reset()
+  bp = env.action_index("BatchParallel(batch)")
+  env.step(bp)
+  before = (env.history, env.state_key)
+  with pytest.raises(InvalidActionError, match="applied already"):
+    env.step(bp)
+  tile = env.action_index("Tile(batch/inputs, 1, batch)")
+  with pytest.raises(InvalidActionError, match="already sharded over 'batch'"):
+    env.step(tile)
+  with pytest.raises(InvalidActionError, match="out of range"):
+    env.step(10_000)
+  with pytest.raises(InvalidActionError, match="one integer"):
+    env.step("Megatron")
+  with pytest.raises(InvalidActionError, match="not an action"):
+    env.action_index("Megatron(nope)")
+  assert (env.history, env.state_key) == before
+  mask = env.observation()["action_mask"]
+  assert not mask[bp] and not mask[tile] and mask[env.finish_action]
+  assert not mask[len(env.context.actions):].any()   # padding is never legal
+
+
+def test_mask_matches_what_applying_does():
+  """Every legal action applies; a masked one fails, changes nothing, or was applied."""
+  env = PartitioningEnv(GPT)
+  env.reset()
+  env.step(env.action_index("SequenceParallel(model)"))
+  legal = set(env.legal_actions().tolist())
+  ctx = env.context
+  for i, action in enumerate(ctx.actions):
+    if action.tactic is None:
+      continue
+    try:
+      new = env.partitioned.apply(action.tactic)
+      ok = new.state.dims != env.partitioned.state.dims
+    except P.ShardzeroError:
+      ok = False
+    if i in legal:
+      assert ok, action
+    elif action.kind != "ZeRO" and str(action) != "SequenceParallel(model)":
+      assert not ok, (action, ctx.problem(env._info, i))
+
+
+def test_decision_points_group_layers_and_replay():
+  program = load_program(GPT.model)
+  points = {p.pattern: p for p in decision_points(program)}
+  q = points["params/gpt/layer_*/attn/query/w"]
+  assert len(q.members) == 2 and q.role == "param"
+  opt = points["opt_state/**/gpt/layer_*/attn/query/w"]
+  assert len(opt.members) == 4 and opt.role == "opt"   # mu and nu of both layers
+  for p in points.values():
+    assert set(program.match(p.pattern)) == set(p.members)
+  env = PartitioningEnv(GPT)
+  env.reset()
+  env.step(env.action_index("Tile(params/gpt/layer_*/attn/query/w, 1, model)"))
+  replay = P.apply(program, GPT.mesh, env.partitioned.strategy)
+  assert replay.state.dims == env.partitioned.state.dims
+  assert replay.sharding("params/gpt/layer_1/attn/query/w").dims == ((), ("model",))
+
+
+def test_observation_shapes_and_sharding_features():
+  env = PartitioningEnv(GPT)
+  spec = env.observation_spec()
+  ts = env.reset()
+  for k, s in spec.items():
+    s.validate(ts.observation[k])
+  obs0 = ts.observation
+  assert obs0["action_mask"].sum() == len(env.legal_actions())
+  assert obs0["node_sharding"].sum() == 0
+  ts = env.step(env.action_index("BatchParallel(batch)"))
+  sharded = ts.observation["node_sharding"]
+  tokens = env.context.program.value("batch/inputs").id
+  assert sharded[tokens, 0 * 4 + 0] == 1 and sharded[tokens, -1] == 1   # dim 0 on batch, decided
+  assert sharded.sum() > 100          # propagation reached many values
+  assert obs0["node_sharding"].sum() == 0   # earlier observations are not mutated
+
+
+def test_clone_is_exact_and_independent():
+  env = PartitioningEnv(GPT)
+  env.reset()
+  env.step(env.action_index("BatchParallel(batch)"))
+  twin = env.clone()
+  a = env.action_index("Megatron(model)")
+  r1 = env.step(a)
+  assert twin.history == (env.history[0],)
+  r2 = twin.step(a)
+  assert r1.reward == r2.reward and env.state_key == twin.state_key
+  for k in r1.observation:
+    np.testing.assert_array_equal(r1.observation[k], r2.observation[k])
+  twin.step(twin.finish_action)
+  assert twin.done and not env.done
+
+
+def test_transpositions_share_a_key():
+  env = PartitioningEnv(GPT)
+  env.reset()
+  a = env.action_index("Tile(params/gpt/layer_*/w_in/w, 1, model)")
+  b = env.action_index("Tile(batch/inputs, 0, batch)")
+  one, two = env.clone(), env.clone()
+  _run(one, [a, b])
+  _run(two, [b, a])
+  assert one.state_key == two.state_key
+  assert one.cost.step_time_s == pytest.approx(two.cost.step_time_s)
+
+
+def test_episode_ends_at_the_step_limit():
+  from environments import EnvConfig
+  env = PartitioningEnv(GPT, config=EnvConfig(max_steps=2))
+  env.reset()
+  ts = env.step(env.action_index("BatchParallel(batch)"))
+  assert ts.mid()
+  ts = env.step(env.action_index("Megatron(model)"))
+  assert ts.last() and ts.discount == 1.0   # truncation
+  assert env.step(0).first()               # the next step starts a new episode
+
+
+def test_seeded_episodes_reproduce():
+  dist = TaskDistribution(("gpt:small", "mlp:small"), meshes=("batch=8", "batch=2,model=4"),
+                          budget_fractions=(None, 0.5))
+
+  def episodes(seed):
+    env, rng, out = PartitioningEnv(dist, seed=seed), np.random.default_rng(seed), []
+    for _ in range(3):
+      ts, total = env.reset(), 0.0
+      while not ts.last():
+        ts = env.step(rng.choice(env.legal_actions()))
+        total += ts.reward
+      out.append((str(env.task), env.history, total))
+    return out
+
+  first = episodes(3)
+  assert first == episodes(3)
+  assert len({t for t, _, _ in first + episodes(4)}) > 1
+
+
+def test_task_distribution_from_split_and_budgets():
+  dist = TaskDistribution.from_split("heldout", budget_fractions=(0.5,))
+  assert {m.split(":")[0] for m in dist.models} == {"t5", "moe", "unet", "ssm"}
+  task = Task("mlp:small", "batch=8")
+  small = TaskDistribution(("mlp:small",), meshes=("batch=8",), budget_fractions=(0.5,))
+  sampled = small.sample(np.random.default_rng(0))
+  assert sampled.memory_budget == int(0.5 * data_parallel_peak(task))
+  with pytest.raises(WorkloadError, match="split"):
+    TaskDistribution.from_split("test")
+  with pytest.raises(WorkloadError, match="positive"):
+    TaskDistribution(("mlp:small",), budget_fractions=(0.0,))
+
+
+def test_parse_bytes():
+  assert parse_bytes("16GiB") == 16 * 2**30
+  assert parse_bytes("1.5MiB") == int(1.5 * 2**20)
+  assert parse_bytes("2e9") == 2_000_000_000
+  for bad in ("lots", "12 parsecs", "-3GiB", "0"):
+    with pytest.raises(WorkloadError):
+      parse_bytes(bad)
+
+
+def test_unknown_model_is_a_clear_error():
+  with pytest.raises(WorkloadError, match="neither a corpus family"):
+    PartitioningEnv(Task("gtp:small", "batch=2"))

@@ -1,0 +1,51 @@
+"""`shardzero search`: the schedule found, its cost beside the best expert's, JSON, errors."""
+
+import json
+
+import pytest
+
+from tests.launch.test_cli import run
+
+GPT = "gpt:small,d_model=512,heads=8,vocab=8192,seq=256,batch=32"
+
+
+def test_search_json_fields_and_replayable_schedule(capsys):
+  code, out, _ = run(capsys, "search", GPT, "--mesh", "batch=4,model=8", "--memory-budget",
+                     "100MiB", "--agent", "mcts", "--budget", "60", "--json", "-")
+  assert code == 0
+  data = json.loads(out)
+  assert {"schedule", "cost", "expert", "search_time_s", "simulations"} <= set(data)
+  assert data["simulations"] == 60 and data["search_time_s"] > 0
+  assert {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes", "fits",
+          "decompositions"} <= set(data["cost"])
+  assert data["cost"]["memory_budget_bytes"] == 100 * 2**20
+  assert data["expert"]["name"] and data["expert"]["cost"]["within_budget"]
+  assert data["cost"]["within_budget"]
+  code, out, _ = run(capsys, "partition", GPT, "--mesh", "batch=4,model=8", "--tactics",
+                     data["schedule"], "--json", "-")
+  assert code == 0
+  assert json.loads(out)["cost"]["step_time_s"] == pytest.approx(data["cost"]["step_time_s"])
+
+
+def test_search_prints_the_comparison(capsys):
+  code, out, _ = run(capsys, "search", "mlp:small", "--mesh", "batch=4,model=2",
+                     "--agent", "greedy")
+  assert code == 0
+  assert "schedule:" in out and "best expert" in out and "unpartitioned" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mlp:small", "--mesh", "batch=8", "--memory-budget", "lots"], "bad memory size"),
+    (["mlp:small", "--mesh", "batch=8", "--budget", "0"], "must be positive"),
+    (["mlp:small,width=x", "--mesh", "batch=8"], "width"),
+    (["mlp:small", "--mesh", "batch=8", "--hardware", "abacus"], "abacus"),
+])
+def test_search_bad_input_is_one_line(capsys, argv, message):
+  code, out, err = run(capsys, "search", *argv)
+  assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_search_expert_agent_needs_a_corpus_model(capsys):
+  code, _, err = run(capsys, "search", "tests/launch/user_model.py:workload", "--mesh",
+                     "batch=8", "--agent", "expert")
+  assert code == 2 and "corpus model" in err
