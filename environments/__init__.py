@@ -4,8 +4,8 @@ from environments.actions import Action, DecisionPoint, decision_points
 from environments.observations import Sizes
 from environments.partitioning_env import (EnvConfig, InvalidActionError, PartitioningEnv,
                                            TaskContext, task_context)
-from environments.tasks import Task, TaskDistribution, format_bytes, parse_bytes
+from environments.tasks import Task, TaskDistribution, parse_bytes
 
 __all__ = ["Action", "DecisionPoint", "EnvConfig", "InvalidActionError", "PartitioningEnv",
-           "Sizes", "Task", "TaskContext", "TaskDistribution", "decision_points", "format_bytes",
-           "parse_bytes", "task_context"]
+           "Sizes", "Task", "TaskContext", "TaskDistribution", "decision_points", "parse_bytes",
+           "task_context"]

@@ -38,13 +38,6 @@ def parse_bytes(text: str | int | float) -> int:
   return int(value)
 
 
-def format_bytes(n: float) -> str:
-  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-    if abs(n) >= size:
-      return f"{n / size:.2f} {unit}"
-  return f"{n:.0f} B"
-
-
 @dataclasses.dataclass(frozen=True)
 class Task:
   """What to partition and for what: `memory_budget` is bytes per device (None: the device's
@@ -55,7 +48,7 @@ class Task:
   memory_budget: int | None = None
 
   def __str__(self) -> str:
-    budget = "" if self.memory_budget is None else f", budget {format_bytes(self.memory_budget)}"
+    budget = "" if self.memory_budget is None else f", budget {self.memory_budget / 2**30:.3g} GiB"
     return f"{self.model} on {self.mesh} ({self.hardware}{budget})"
 
 

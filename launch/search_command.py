@@ -79,7 +79,9 @@ def make_actor(name: str, env, args):
 
 def run(args) -> int:
   import corpus
+  from agents.environment_loop import EnvironmentLoop
   from agents.expert import best_expert, evaluate_experts
+  from agents.loggers import InMemoryLogger
   from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
   from partitioner.cost import load_hardware
   from partitioner.mesh import Mesh
@@ -100,19 +102,13 @@ def run(args) -> int:
     status.start()
   try:
     env = PartitioningEnv(task, seed=args.seed, config=EnvConfig(max_steps=args.max_steps))
-    timestep = env.reset()
     actor = make_actor(args.agent, env, args)
     if status:
       status.update(f"searching with {args.agent}")
     start = time.perf_counter()
-    actor.observe_first(timestep)
-    episode_return = 0.0
-    while not timestep.last():
-      action = actor.select_action(timestep.observation)
-      timestep = env.step(action)
-      actor.observe(action, timestep)
-      episode_return += float(timestep.reward)
+    record = EnvironmentLoop(env, actor, logger=InMemoryLogger()).run_episode()
     search_s = time.perf_counter() - start
+    episode_return = float(record["episode_return"])
     found = env.partitioned
     cost = env.cost
     expert = None
