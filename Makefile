@@ -17,9 +17,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: a short training run (PPO, 2 actor processes, a learner and an evaluator over
+# Reverb) on the train split, then the policy proposes a strategy for a held-out model.
 demo: install
-	$(VENV)/bin/shardzero partition gpt:small --mesh batch=2,model=4 \
-	  --tactics "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=1)" --verify
+	rm -rf runs/demo
+	$(VENV)/bin/shardzero train --run-dir runs/demo --actors 2 --steps 30 --eval-every 60
+	$(VENV)/bin/shardzero plot runs/demo
+	$(VENV)/bin/shardzero propose t5:mini --mesh batch=4,model=2 --policy runs/demo
+	$(VENV)/bin/shardzero propose t5:mini --mesh batch=4,model=2 --policy runs/demo \
+	  --search mcts --budget 30
 
 test: install
 	$(PY) -m pytest -q tests

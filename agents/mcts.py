@@ -91,8 +91,9 @@ class MCTSActor(PlanningActor):
     u = self.c_puct * node.prior * math.sqrt(node.total + 1) / (1 + node.visits)
     return int(np.argmax(np.where(node.closed, -np.inf, q + u)))
 
-  def plan(self, env: PartitioningEnv) -> Plan:
-    start = len(env.history)
+  def search(self, env: PartitioningEnv):
+    """Runs the simulations from `env`'s state. Returns the root node (visit counts over its
+    legal non-finish actions), the best-scoring state seen, its score and the simulations."""
     self.table = {}
     root = self._expand(env, env.observation())
     best, best_score = env, env.score()
@@ -126,4 +127,9 @@ class MCTSActor(PlanningActor):
         node.total += 1
         low, high = min(low, value), max(high, value)
         node.closed[k] = self.table[node.children[k]].exhausted
+    return root, best, best_score, sims
+
+  def plan(self, env: PartitioningEnv) -> Plan:
+    start = len(env.history)
+    _, best, best_score, sims = self.search(env)
     return Plan(path_to(best, start), best_score, sims, 0.0)

@@ -31,6 +31,8 @@ class BERTConfig:
 
 PRESETS = {
     "small": BERTConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": BERTConfig(layers=2, d_model=1024, heads=16, vocab=30528, seq=256, batch=64),
     "base": BERTConfig(layers=12, d_model=768, heads=12, vocab=30528, seq=512, batch=256,
                        remat=True),
     "large": BERTConfig(layers=24, d_model=1024, heads=16, vocab=30528, seq=512, batch=256,

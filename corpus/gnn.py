@@ -32,6 +32,8 @@ class GNNConfig:
 
 PRESETS = {
     "small": GNNConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": GNNConfig(steps=2, latent=256, nodes=2048, edges=12288, batch=32),
     "base": GNNConfig(steps=15, latent=128, nodes=2048, edges=12288, batch=64),
     "large": GNNConfig(steps=15, latent=512, nodes=4096, edges=24576, batch=64),
 }

@@ -26,6 +26,8 @@ class GPTConfig:
 
 PRESETS = {
     "small": GPTConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": GPTConfig(layers=2, d_model=1024, heads=16, vocab=32768, seq=512, batch=32),
     "125m": GPTConfig(layers=12, d_model=768, heads=12, vocab=50304, seq=1024, batch=64,
                       remat=True),
     "350m": GPTConfig(layers=24, d_model=1024, heads=16, vocab=50304, seq=1024, batch=64,

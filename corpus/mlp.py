@@ -23,6 +23,8 @@ class MLPConfig:
 
 PRESETS = {
     "small": MLPConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": MLPConfig(layers=3, width=4096, in_dim=1024, out_dim=1024, batch=512),
     "large": MLPConfig(layers=8, width=8192, in_dim=1024, out_dim=1024, batch=1024),
 }
 

@@ -37,6 +37,8 @@ class MoEConfig:
 
 PRESETS = {
     "small": MoEConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": MoEConfig(layers=2, d_model=1024, heads=16, experts=8, vocab=32768, seq=256, batch=64),
     "base": MoEConfig(layers=12, d_model=768, heads=12, experts=32, vocab=50304, seq=1024,
                       batch=256, remat=True),
     "large": MoEConfig(layers=24, d_model=1024, heads=16, experts=64, vocab=50304, seq=1024,

@@ -36,6 +36,8 @@ class ResNetConfig:
 
 PRESETS = {
     "small": ResNetConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": ResNetConfig(depth=10, width=64, image=64, classes=1000, batch=256),
     "50": ResNetConfig(depth=50, width=64, image=224, classes=1000, batch=1024),
     "101": ResNetConfig(depth=101, width=64, image=224, classes=1000, batch=1024),
     "152": ResNetConfig(depth=152, width=64, image=224, classes=1000, batch=1024),

@@ -31,6 +31,8 @@ class SSMConfig:
 
 PRESETS = {
     "small": SSMConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": SSMConfig(layers=2, d_model=1024, state=256, vocab=32768, seq=128, batch=32),
     "base": SSMConfig(layers=8, d_model=1024, state=1024, vocab=50304, seq=128, batch=64),
     "large": SSMConfig(layers=16, d_model=2048, state=2048, vocab=50304, seq=128, batch=64),
 }

@@ -31,6 +31,8 @@ class T5Config:
 
 PRESETS = {
     "small": T5Config(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": T5Config(layers=2, d_model=1024, heads=16, vocab=32128, src_seq=256, tgt_seq=64, batch=32),
     "base": T5Config(layers=12, d_model=768, heads=12, vocab=32128, src_seq=512, tgt_seq=128,
                      batch=128, remat=True),
     "large": T5Config(layers=24, d_model=1024, heads=16, vocab=32128, src_seq=512, tgt_seq=128,

@@ -31,6 +31,8 @@ class UNetConfig:
 
 PRESETS = {
     "small": UNetConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": UNetConfig(base=64, levels=2, blocks=1, groups=16, image=64, batch=32),
     "base": UNetConfig(base=128, levels=4, blocks=2, groups=32, image=64, batch=128),
     "large": UNetConfig(base=256, levels=4, blocks=2, groups=32, image=128, batch=64),
 }

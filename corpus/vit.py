@@ -33,6 +33,8 @@ class ViTConfig:
 
 PRESETS = {
     "small": ViTConfig(),
+    # two layers at realistic widths: a small graph where partitioning matters
+    "mini": ViTConfig(layers=2, d_model=1024, heads=16, image=224, patch=16, classes=1000, batch=128),
     "base": ViTConfig(layers=12, d_model=768, heads=12, image=224, patch=16, classes=1000,
                       batch=1024, remat=True),
     "large": ViTConfig(layers=24, d_model=1024, heads=16, image=224, patch=16, classes=1000,

@@ -1,1 +1,3 @@
-"""Learners (JAX + Optax + rlax). Not built yet: see the open issue on learned policies."""
+"""Learners (JAX + Optax + rlax): pure losses and update steps over a `TrainingState`, and the
+`SGDLearner` that holds it. `ppo` (clipped surrogate, GAE) and `alphazero` (fit the search's
+visit distributions and the returns); `checkpointing` saves and restores runs."""

@@ -1,0 +1,134 @@
+"""Actors that play the learned policy.
+
+`PolicyActor` samples from the network's masked logits (argmax when evaluating) and hands the
+behaviour log-probability and parameter version to its adder. `AlphaZeroActor` searches with
+MCTS at every step, the network giving the prior and the leaf values, and records the root's
+visit distribution as the policy target.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agents.adders import Adder
+from agents.core import Actor
+from agents.learned.networks import Networks
+from agents.learned.variable_client import VariableClient
+from agents.mcts import MCTSActor
+
+# policy(params, key, observation) -> (action, log_prob, value)
+Policy = Callable
+
+
+def make_policy(networks: Networks, evaluation: bool = False) -> Policy:
+  """A jitted policy on one observation: sample (or argmax) a legal action."""
+
+  def policy(params, key, observation):
+    out = networks.apply(params, observation)
+    logp = jax.nn.log_softmax(out.logits)
+    action = jnp.argmax(out.logits) if evaluation else jax.random.categorical(key, out.logits)
+    return action, logp[action], out.value
+
+  return jax.jit(policy)
+
+
+def make_prior_value(networks: Networks):
+  """`(params, observation) -> (probabilities, value)`, jitted, for search."""
+
+  def prior_value(params, observation):
+    out = networks.apply(params, observation)
+    return jax.nn.softmax(out.logits), out.value
+
+  return jax.jit(prior_value)
+
+
+class _AdderActor(Actor):
+  """Passes what it sees, with the extras of its last action, to its adder."""
+  _adder: Optional[Adder]
+  _client: VariableClient
+  _extras: dict
+
+  def observe_first(self, timestep):
+    if self._adder:
+      self._adder.add_first(timestep)
+
+  def observe(self, action, next_timestep):
+    if self._adder:
+      self._adder.add(action, next_timestep, self._extras)
+
+  def update(self, wait: bool = False):
+    self._client.update(wait)
+
+
+class PolicyActor(_AdderActor):
+  def __init__(self, policy: Policy, variable_client: VariableClient,
+               adder: Optional[Adder] = None, seed: int = 0):
+    self._policy = policy
+    self._client = variable_client
+    self._adder = adder
+    self._key = jax.random.PRNGKey(seed)
+    self._extras: dict = {}
+
+  def select_action(self, observation) -> int:
+    if self._client.params is None:
+      self._client.update_and_wait()
+    self._key, key = jax.random.split(self._key)
+    action, log_prob, value = self._policy(self._client.params, key, observation)
+    self._extras = {"log_prob": np.float32(log_prob),
+                    "version": np.int64(self._client.version)}
+    return int(action)
+
+
+class AlphaZeroActor(_AdderActor):
+  """MCTS with the network's prior and value at every step of `environment` (the environment
+  the loop steps). The search target is the root's visit distribution; when the best state the
+  search saw is the current one, the target and the move are finish."""
+
+  def __init__(self, environment, networks: Networks, variable_client: VariableClient,
+               adder: Optional[Adder] = None, simulations: int = 16, temperature: float = 1.0,
+               evaluation: bool = False, seed: int = 0):
+    self._env = environment
+    self._client = variable_client
+    self._adder = adder
+    self._prior_value = make_prior_value(networks)
+    self._temperature = temperature
+    self._evaluation = evaluation
+    self._rng = np.random.default_rng(seed)
+    self._mcts = MCTSActor(environment, budget=simulations, seed=seed,
+                           prior_fn=lambda obs: self._evaluate(obs)[0],
+                           value_fn=lambda obs: self._evaluate(obs)[1])
+    self._extras: dict = {}
+    self.simulations = 0
+
+  def _evaluate(self, observation):
+    probs, value = self._prior_value(self._client.params, observation)
+    return np.asarray(probs), float(value)
+
+  def select_action(self, observation) -> int:
+    if self._client.params is None:
+      self._client.update_and_wait()
+    env = self._env.clone()
+    root, best, best_score, sims = self._mcts.search(env)
+    self.simulations += sims
+    visits = np.zeros(observation["action_mask"].shape[0], np.float32)
+    if len(root.actions) == 0 or best_score <= env.score() + 1e-12 or root.visits.sum() == 0:
+      action = env.finish_action
+      visits[action] = 1.0
+    else:
+      counts = root.visits
+      visits[root.actions] = counts / counts.sum()
+      if self._evaluation or self._temperature == 0:
+        action = int(root.actions[np.argmax(counts)])
+      else:
+        weights = counts ** (1.0 / self._temperature)
+        action = int(self._rng.choice(root.actions, p=weights / weights.sum()))
+    self._extras = {"visits": visits, "version": np.int64(self._client.version)}
+    return int(action)
+
+  def observe_first(self, timestep):
+    self.simulations = 0
+    super().observe_first(timestep)

@@ -1,0 +1,147 @@
+"""`shardzero propose MODEL --mesh ... --policy RUN_DIR`: a strategy from a trained policy."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from launch import report
+from launch.partition_command import _mesh_size
+from launch.search_command import _cost_dict, _print
+
+HELP = "propose a partitioning strategy with a trained policy"
+
+DESCRIPTION = """\
+Loads the policy checkpointed in --policy (a 'shardzero train' run directory), decodes a
+strategy for MODEL over --mesh greedily (the most likely legal action until finish), or with
+--search mcts lets the policy's prior and value guide --budget simulations of tree search,
+applies it with the partitioner and prints the schedule with its predicted step time and
+memory next to the best expert strategy (corpus models). --verify runs the partitioned program
+on local devices against the unpartitioned one.
+"""
+
+EXAMPLES = """\
+examples:
+  shardzero propose t5:mini --mesh batch=4,model=2 --policy runs/demo
+  shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo --search mcts --budget 50
+  shardzero propose mlp:mini --mesh batch=4,model=2 --policy runs/demo --verify --json -
+"""
+
+
+def add_parser(sub) -> None:
+  p = sub.add_parser("propose", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("model", help="corpus name or module:function / path.py:function")
+  p.add_argument("--mesh", required=True, help="named mesh axes, e.g. batch=4,model=2")
+  p.add_argument("--policy", required=True, metavar="RUN_DIR", help="a training run directory")
+  p.add_argument("--hardware", default="h100", help="catalog name or spec file; default h100")
+  p.add_argument("--memory-budget", metavar="BYTES", help="bytes per device, e.g. 16GiB")
+  p.add_argument("--search", choices=("greedy", "mcts"), default="greedy",
+                 help="greedy decoding (default) or policy-guided MCTS")
+  p.add_argument("--budget", type=int, default=50, help="MCTS simulations; default 50")
+  p.add_argument("--max-steps", type=int, help="actions at most; default: the run's")
+  p.add_argument("--verify", action="store_true", help="run it on local devices and compare")
+  p.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-': stdout)")
+  p.set_defaults(run=run, host_devices=lambda: _mesh_size(p))
+
+
+def propose(env, networks, params, search: str = "greedy", budget: int = 50):
+  """Plays the policy in `env` from its current state to the end; returns (seconds spent
+  deciding and applying, simulations). The first call for a size bucket compiles; the timing
+  is taken after a warm-up call."""
+  import jax
+  from agents.learned.actors import make_policy, make_prior_value
+  from agents.mcts import MCTSActor
+  policy = make_policy(networks, evaluation=True)
+  observation = env.observation()
+  policy(params, jax.random.PRNGKey(0), observation)[0].block_until_ready()   # compile
+  start = time.perf_counter()
+  simulations = 0
+  if search == "mcts":
+    prior_value = make_prior_value(networks)
+
+    def evaluate(obs):
+      probs, value = prior_value(params, obs)
+      return np.asarray(probs), float(value)
+
+    mcts = MCTSActor(env, budget=budget, prior_fn=lambda o: evaluate(o)[0],
+                     value_fn=lambda o: evaluate(o)[1])
+    plan = mcts.plan(env.clone())
+    simulations = plan.simulations
+    for a in plan.actions:
+      if env.done:
+        break
+      env.step(a)
+  else:
+    done = env.done
+    while not done:
+      action, _, _ = policy(params, jax.random.PRNGKey(0), observation)
+      ts = env.step(int(action))
+      observation, done = ts.observation, ts.last()
+  return time.perf_counter() - start, simulations
+
+
+def run(args) -> int:
+  import corpus
+  from agents.expert import best_expert, evaluate_experts
+  from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
+  from launch.training import load_policy
+  from partitioner.cost import load_hardware
+  from partitioner.errors import ShardzeroError
+  from partitioner.mesh import Mesh
+
+  Mesh.parse(args.mesh)
+  load_hardware(args.hardware)
+  if args.budget < 1:
+    raise ShardzeroError("--budget must be positive")
+  networks, params, config, version = load_policy(args.policy)
+  max_steps = args.max_steps or config.max_steps
+  if max_steps < 1:
+    raise ShardzeroError("--max-steps must be positive")
+  budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+  is_corpus = args.model.partition(":")[0] in corpus.FAMILIES
+  if is_corpus:
+    corpus.parse(args.model)
+  task = Task(args.model, args.mesh, args.hardware, budget)
+  out = report.console()
+  env = PartitioningEnv(task, config=EnvConfig(max_steps=max_steps))
+  env.reset()
+  policy_s, simulations = propose(env, networks, params, args.search, args.budget)
+  found, cost, ctx = env.partitioned, env.cost, env.context
+  expert = best_expert(evaluate_experts(env.restart_clone())) if is_corpus else None
+  result = {
+      "model": args.model, "mesh": dict(ctx.mesh.axes), "hardware": ctx.hardware.name,
+      "agent": f"policy ({args.search})", "policy": args.policy, "policy_version": version,
+      "schedule": found.strategy, "tactics": [str(t) for t in found.schedule],
+      "cost": _cost_dict(cost, ctx.budget),
+      "unpartitioned_step_time_s": ctx.root.cost.step_time_s, "score": env.score(),
+      "expert": None if expert is None else {
+          "name": expert.name, "schedule": expert.schedule,
+          "cost": _cost_dict(expert.cost, ctx.budget)},
+      "cost_ratio_to_expert": None if expert is None else
+          cost.step_time_s / expert.cost.step_time_s,
+      "search_time_s": policy_s, "policy_time_s": policy_s, "simulations": simulations,
+      "actions": len(ctx.actions), "decision_points": len(ctx.points),
+  }
+  if args.verify:
+    from partitioner.verify import verify
+    workload = corpus.load(args.model, abstract=False)
+    verification = verify(found, workload.args)
+    result["verified"] = bool(verification.ok)
+    result["max_abs_err"] = float(verification.max_abs_err)
+  if args.json:
+    report.write_json(result, args.json)
+    if args.json == "-":
+      return 0
+  _print(out, result, found, ctx)
+  out.print(f"policy: {args.policy} (version {version}), decided and applied in "
+            f"{policy_s:.3f} s" + (f" with {simulations} simulations" if simulations else ""))
+  if result["cost_ratio_to_expert"] is not None:
+    out.print(f"step time / best expert: {result['cost_ratio_to_expert']:.3f}")
+  if args.verify:
+    out.print(f"verify: {'OK' if result['verified'] else 'MISMATCH'} (max abs error "
+              f"{result['max_abs_err']:.2e})")
+    return 0 if result["verified"] else 1
+  return 0

@@ -1,0 +1,236 @@
+"""`shardzero train`: a local run of the distributed layout (Reverb server, learner, actors,
+evaluator as separate processes), or one role of it (`--role`) for runs across machines."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HELP = "train a partitioning policy with distributed actors and a learner over Reverb"
+
+DESCRIPTION = """\
+Trains a graph-network policy to choose tactics. The local launcher starts, as processes on
+this machine: a Reverb server (the trajectory table and a one-item parameter table), a learner
+(samples, updates, publishes parameters, checkpoints to RUN_DIR every --checkpoint-every
+updates), --actors actor processes (each plays tasks from the corpus' train split at --preset
+over --meshes and writes experience through a Reverb adder) and an evaluator (plays the greedy
+policy on the held-out split and logs its step time over the best expert strategy's).
+
+Algorithms:
+  ppo        clipped-surrogate PPO with GAE on sequences (a queue: on-policy)
+  alphazero  MCTS with the network's prior and value at every step; the learner fits the visit
+             distributions and returns (uniform replay with a sample-to-insert rate limiter)
+
+Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
+Ctrl-C or the death of any process stops all of them (the one that died is named); the
+checkpoint keeps parameters, optimizer state and counters, and --resume continues the run.
+
+Across machines: start '--role replay --port P' on one machine, then on any machine
+'--role learner|actor|evaluator --reverb HOST:P --run-dir DIR' (actors take --actor-id). The
+learner and the evaluator need the run directory; actors only write their CSV log there.
+"""
+
+EXAMPLES = """\
+examples:
+  shardzero train --run-dir runs/ppo --actors 2 --steps 200
+  shardzero train --run-dir runs/az --algorithm alphazero --set simulations=8 --steps 100
+  shardzero train --run-dir runs/ppo --resume --steps 400
+  shardzero plot runs/ppo
+"""
+
+ROLES = ("launcher", "replay", "learner", "actor", "evaluator")
+
+
+def add_parser(sub) -> None:
+  p = sub.add_parser("train", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--run-dir", required=True, help="where config, checkpoint and logs go")
+  p.add_argument("--algorithm", choices=("ppo", "alphazero"), help="default ppo")
+  p.add_argument("--actors", type=int, help="actor processes; default 2")
+  p.add_argument("--steps", type=int, help="learner updates to reach; default 100")
+  p.add_argument("--preset", help="corpus preset of the train and held-out models; default mini")
+  p.add_argument("--meshes", help="training meshes separated by ';', default "
+                 "'batch=4,model=2;batch=2,model=4'")
+  p.add_argument("--max-steps", type=int, help="actions per episode; default 12")
+  p.add_argument("--checkpoint-every", type=int, help="updates between checkpoints; default 1")
+  p.add_argument("--eval-every", type=float, help="seconds between evaluations; default 60")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="an algorithm setting (learning_rate=1e-3, batch_size=4, simulations=8...)")
+  p.add_argument("--seed", type=int)
+  p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
+  p.add_argument("--role", choices=ROLES, default="launcher", help="run one process of the "
+                 "layout instead of all of them (default launcher: all, locally)")
+  p.add_argument("--reverb", metavar="HOST:PORT", help="the Reverb server (roles other than "
+                 "launcher and replay; a launcher given it starts no server of its own)")
+  p.add_argument("--port", type=int, help="port of the Reverb server (--role replay)")
+  p.add_argument("--actor-id", type=int, default=0)
+  p.add_argument("--no-evaluator", action="store_true", help="do not start the evaluator")
+  p.set_defaults(run=run)
+
+
+def _parse_value(text: str):
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return text
+
+
+def make_config(args):
+  from launch.training import RunConfig
+  from partitioner.errors import ShardzeroError
+  from partitioner.mesh import Mesh
+  if args.resume:
+    config = RunConfig.load(args.run_dir)
+  else:
+    if os.path.exists(os.path.join(args.run_dir, "config.json")):
+      raise ShardzeroError(f"{args.run_dir} holds a run already: pass --resume to continue it "
+                           "or choose another --run-dir")
+    config = RunConfig()
+  changes = {}
+  for name, key in (("algorithm", "algorithm"), ("actors", "actors"), ("steps", "steps"),
+                    ("preset", "preset"), ("max_steps", "max_steps"), ("seed", "seed"),
+                    ("checkpoint_every", "checkpoint_every"), ("eval_every", "eval_every_s")):
+    value = getattr(args, name)
+    if value is not None:
+      changes[key] = value
+  if args.meshes:
+    changes["meshes"] = tuple(m.strip() for m in args.meshes.split(";") if m.strip())
+  if args.resume and "algorithm" in changes and changes["algorithm"] != config.algorithm:
+    raise ShardzeroError(f"{args.run_dir} was trained with {config.algorithm}")
+  settings = dict(config.settings)
+  for item in args.set:
+    key, eq, value = item.partition("=")
+    if not eq:
+      raise ShardzeroError(f"--set takes KEY=VALUE, got {item!r}")
+    settings[key.strip()] = _parse_value(value.strip())
+  config = dataclasses.replace(config, **changes, settings=settings)
+  if config.actors < 1 or config.steps < 0 or config.checkpoint_every < 1:
+    raise ShardzeroError("--actors and --checkpoint-every must be positive, --steps not negative")
+  config.builder()          # unknown settings fail here, before any process starts
+  for mesh in config.meshes + (config.eval_mesh,):
+    Mesh.parse(mesh)
+  return config
+
+
+def run(args) -> int:
+  from launch.training import (RunConfig, run_actor, run_evaluator, run_learner, run_replay)
+  from partitioner.errors import ShardzeroError
+  if args.role == "launcher":
+    config = make_config(args)
+    config.save(args.run_dir)
+    return launch(config, args)
+  config = RunConfig.load(args.run_dir) if args.role != "replay" or os.path.exists(
+      os.path.join(args.run_dir, "config.json")) else make_config(args)
+  if args.role == "replay":
+    if args.port is None:
+      raise ShardzeroError("--role replay needs --port")
+    run_replay(config, args.port)
+    return 0
+  if not args.reverb:
+    raise ShardzeroError(f"--role {args.role} needs --reverb HOST:PORT")
+  if args.role == "learner":
+    run_learner(config, args.run_dir, args.reverb, resume=args.resume)
+  elif args.role == "actor":
+    run_actor(config, args.run_dir, args.reverb, args.actor_id)
+  else:
+    run_evaluator(config, args.run_dir, args.reverb)
+  return 0
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+class _Process:
+  def __init__(self, name: str, argv: list[str], log_path: str):
+    self.name = name
+    self.log_path = log_path
+    self._log = open(log_path, "a")
+    self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+
+  def tail(self, lines: int = 15) -> str:
+    with open(self.log_path, errors="replace") as f:
+      return "".join(f.readlines()[-lines:])
+
+  def stop(self, sig=signal.SIGTERM):
+    if self.popen.poll() is None:
+      self.popen.send_signal(sig)
+
+
+def launch(config, args) -> int:
+  """Starts every role as a process, shows progress, stops all on Ctrl-C, when the learner is
+  done, or when any process dies."""
+  from launch import progress
+  run_dir = args.run_dir
+  logs = os.path.join(run_dir, "logs")
+  os.makedirs(logs, exist_ok=True)
+  base = [sys.executable, "-m", "launch.cli", "train", "--run-dir", run_dir]
+  procs: list[_Process] = []
+  address = args.reverb
+  if address is None:
+    port = _free_port()
+    address = f"localhost:{port}"
+    procs.append(_Process("replay", base + ["--role", "replay", "--port", str(port)],
+                          os.path.join(logs, "replay.log")))
+  learner = _Process("learner", base + ["--role", "learner", "--reverb", address] +
+                     (["--resume"] if args.resume else []), os.path.join(logs, "learner.log"))
+  procs.append(learner)
+  for i in range(config.actors):
+    procs.append(_Process(f"actor {i}", base + ["--role", "actor", "--reverb", address,
+                                                "--actor-id", str(i)],
+                          os.path.join(logs, f"actor_{i}.log")))
+  if not args.no_evaluator:
+    procs.append(_Process("evaluator", base + ["--role", "evaluator", "--reverb", address],
+                          os.path.join(logs, "evaluator.log")))
+  failed = None
+  interrupted = False
+  try:
+    with progress.TrainingProgress(run_dir, config) as bar:
+      while True:
+        bar.refresh()
+        code = learner.popen.poll()
+        if code is not None:
+          if code != 0:
+            failed = learner
+          break
+        dead = [p for p in procs if p.popen.poll() is not None]
+        if dead:
+          failed = dead[0]
+          break
+        time.sleep(1.0)
+  except KeyboardInterrupt:
+    interrupted = True
+  finally:
+    # The learner first, while actors still feed it (it checkpoints on SIGTERM once its sample
+    # returns), then actors and evaluator, then replay.
+    order = [p for p in procs if p.name == "learner"] + \
+            [p for p in procs if p.name not in ("learner", "replay")] + \
+            [p for p in procs if p.name == "replay"]
+    for p in order:
+      p.stop()
+      try:
+        p.popen.wait(timeout=20)
+      except subprocess.TimeoutExpired:
+        p.stop(signal.SIGKILL)
+        p.popen.wait()
+  if failed is not None:
+    print(f"shardzero train: the {failed.name} process exited with code "
+          f"{failed.popen.returncode}; stopped the others. Last lines of {failed.log_path}:\n"
+          f"{failed.tail()}", file=sys.stderr)
+    return 1
+  if interrupted:
+    print(f"stopped; continue with: shardzero train --run-dir {run_dir} --resume",
+          file=sys.stderr)
+    return 130
+  print(f"done: {run_dir} (checkpoint, logs/*.csv, tb/); plot with: shardzero plot {run_dir}")
+  return 0

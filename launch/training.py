@@ -1,0 +1,316 @@
+"""The processes of a training run and what they share: the run directory, its config, and one
+function per role (replay, learner, actor, evaluator). Every role takes the Reverb address, so
+the same functions run as local processes (`launch/train_command.py`) or on other machines.
+
+A run directory holds `config.json`, `checkpoint.pkl` (parameters, optimizer state, counters),
+`logs/*.csv` (one per process), `tb/` (TensorBoard scalars) and `logs/*.log` (each process's
+output when the local launcher started it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+from typing import Optional
+
+import numpy as np
+
+from partitioner.errors import ShardzeroError
+
+CONFIG = "config.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """What a run trains on and how. `settings` override the algorithm's config fields."""
+  algorithm: str = "ppo"
+  preset: str = "mini"
+  models: tuple[str, ...] = ()        # training models (default: the train split at preset)
+  heldout: tuple[str, ...] = ()       # evaluation models (default: the held-out split)
+  meshes: tuple[str, ...] = ("batch=4,model=2", "batch=2,model=4")
+  hardware: str = "h100"
+  budget_fractions: tuple = (None, 0.5)
+  eval_mesh: str = "batch=4,model=2"
+  max_steps: int = 12                 # actions per episode
+  steps: int = 100                    # learner updates
+  actors: int = 2
+  seed: int = 0
+  checkpoint_every: int = 1           # learner updates between checkpoints
+  variable_update_period: int = 8     # actor steps between parameter pulls
+  eval_every_s: float = 60.0
+  sizes: tuple[int, int, int] = (4096, 8192, 512)
+  settings: dict = dataclasses.field(default_factory=dict)
+  network: dict = dataclasses.field(default_factory=dict)
+
+  def save(self, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, CONFIG), "w") as f:
+      json.dump(dataclasses.asdict(self), f, indent=2)
+
+  @classmethod
+  def load(cls, run_dir: str) -> "RunConfig":
+    path = os.path.join(run_dir, CONFIG)
+    if not os.path.exists(path):
+      raise ShardzeroError(f"{run_dir} is not a training run (no {CONFIG})")
+    with open(path) as f:
+      data = json.load(f)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - fields
+    if unknown:
+      raise ShardzeroError(f"{path}: unknown settings {sorted(unknown)}")
+    for key in ("meshes", "budget_fractions", "sizes", "models", "heldout"):
+      if key in data:
+        data[key] = tuple(data[key])
+    return cls(**data)
+
+  def builder(self):
+    from agents.learned.builders import make_builder
+    return make_builder(self.algorithm, self.settings, self.sizes, self.network)
+
+  def env_config(self):
+    from environments import EnvConfig
+    return EnvConfig(max_steps=self.max_steps)
+
+  def train_tasks(self):
+    import corpus
+    from environments import TaskDistribution
+    models = self.models or tuple(f"{name}:{self.preset}" for name in corpus.split("train"))
+    return TaskDistribution(models, meshes=self.meshes, hardware=(self.hardware,),
+                            budget_fractions=self.budget_fractions)
+
+  def heldout_tasks(self):
+    import corpus
+    from environments import Task
+    models = self.heldout or [f"{name}:{self.preset}" for name in corpus.split("heldout")]
+    return [Task(model, self.eval_mesh, self.hardware) for model in models]
+
+
+def _stop_on_sigterm():
+  """SIGTERM ends the process the way Ctrl-C does (cleanup runs, the checkpoint is kept)."""
+  def handler(signum, frame):
+    raise KeyboardInterrupt
+  signal.signal(signal.SIGTERM, handler)
+
+
+def _client(address: str, wait_s: float = 120.0):
+  import reverb
+  client = reverb.Client(address)
+  deadline = time.time() + wait_s
+  while True:
+    try:
+      client.server_info(timeout=5)
+      return client
+    except Exception:
+      if time.time() > deadline:
+        raise ShardzeroError(f"no Reverb server answers at {address}")
+      time.sleep(0.5)
+
+
+def _tensorboard(run_dir: str, label: str):
+  """A function writing scalars to `run_dir/tb/label`."""
+  import tensorflow as tf
+  writer = tf.summary.create_file_writer(os.path.join(run_dir, "tb", label))
+
+  def write(step: int, data: dict):
+    with writer.as_default():
+      for key, value in data.items():
+        if isinstance(value, (int, float, np.floating, np.integer)):
+          tf.summary.scalar(key, float(value), step=int(step))
+    writer.flush()
+  return write
+
+
+def _last_row(path: str) -> Optional[dict]:
+  import csv
+  if not os.path.exists(path):
+    return None
+  with open(path, newline="") as f:
+    rows = list(csv.DictReader(f))
+  return rows[-1] if rows else None
+
+
+# ---------------------------------------------------------------------------------------- roles
+def run_replay(config: RunConfig, port: int) -> None:
+  """Serves the trajectory and parameter tables until stopped."""
+  import reverb
+  _stop_on_sigterm()
+  server = reverb.Server(config.builder().make_replay_tables(), port=port)
+  try:
+    server.wait()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.stop()
+
+
+def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = False) -> int:
+  """Updates until `config.steps`, publishing parameters after every update and checkpointing
+  every `checkpoint_every` updates and on the way out. Returns the updates done."""
+  from agents.counting import Counter
+  from agents.learned.variable_client import publish
+  from agents.loggers import CSVLogger
+  from learners import checkpointing
+  _stop_on_sigterm()
+  builder = config.builder()
+  client = _client(address)
+  networks = builder.make_networks()
+  params = builder.init_params(networks, config.seed)
+  logger = CSVLogger(os.path.join(run_dir, "logs"), "learner")
+  learner = builder.make_learner(networks, params, builder.make_dataset_iterator(client),
+                                 counter=Counter(), logger=logger)
+  path = os.path.join(run_dir, checkpointing.FILENAME)
+  if resume and os.path.exists(path):
+    learner.restore(checkpointing.load(path)["learner"])
+  elif os.path.exists(path):
+    raise ShardzeroError(f"{run_dir} already has a checkpoint: pass --resume to continue it, "
+                         "or choose another --run-dir")
+
+  def save():
+    checkpointing.save(path, {"learner": learner.save(), "config": dataclasses.asdict(config)})
+
+  tb = _tensorboard(run_dir, "learner")
+  publish(client, learner.get_variables(["policy"])[0], learner.version)
+  try:
+    while learner.version < config.steps:
+      metrics = learner.step()
+      publish(client, learner.get_variables(["policy"])[0], learner.version)
+      tb(learner.version, metrics)
+      if learner.version % config.checkpoint_every == 0:
+        save()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    save()
+    logger.close()
+  return learner.version
+
+
+def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
+              episodes: Optional[int] = None) -> None:
+  """Plays training tasks with the latest parameters, writing experience to replay."""
+  from agents.counting import Counter
+  from agents.environment_loop import EnvironmentLoop
+  from agents.learned.variable_client import ReverbVariableSource
+  from agents.loggers import CSVLogger
+  from environments import PartitioningEnv
+  from environments.observations import Sizes
+  _stop_on_sigterm()
+  builder = config.builder()
+  client = _client(address)
+  networks = builder.make_networks()
+  source = ReverbVariableSource(client, builder.params_treedef(networks))
+  env = PartitioningEnv(config.train_tasks(), seed=config.seed * 1000 + actor_id,
+                        config=config.env_config(), pad_to=Sizes(*config.sizes))
+  adder = builder.make_adder(client)
+  actor = builder.make_actor(env, networks, source, adder, seed=config.seed * 1000 + actor_id,
+                             update_period=config.variable_update_period)
+  label = f"actor_{actor_id}"
+  csv_path = os.path.join(run_dir, "logs", f"{label}.csv")
+  counter = Counter()
+  last = _last_row(csv_path)     # a resumed actor keeps counting where it stopped
+  if last:
+    counter.restore({"episodes": float(last["episodes"]), "steps": float(last["steps"])})
+  logger = CSVLogger(os.path.join(run_dir, "logs"), label)
+  loop = EnvironmentLoop(env, actor, counter=counter, logger=_EpisodeRecord(logger, actor, env))
+  try:
+    loop.run(num_episodes=episodes)
+  except KeyboardInterrupt:
+    pass
+  finally:
+    logger.close()
+
+
+class _EpisodeRecord:
+  """Adds the task, the parameter version and the final cost to each episode's record."""
+
+  def __init__(self, logger, actor, env):
+    self._logger, self._actor, self._env = logger, actor, env
+
+  def write(self, data):
+    client = getattr(self._actor, "_client", None)
+    ctx = self._env.context
+    self._logger.write({
+        "episodes": data["episodes"], "steps": data["steps"],
+        "episode_length": data["episode_length"], "episode_return": float(data["episode_return"]),
+        "steps_per_second": data["steps_per_second"], "time": time.time(),
+        "version": getattr(client, "version", -1),
+        "cost_ratio": self._env.cost.step_time_s / ctx.root.cost.step_time_s,
+        "fits": float(self._env.cost.peak_memory_bytes <= ctx.budget)})
+
+
+def evaluate_policy(policy_params, networks, tasks, env_config, experts: dict) -> dict:
+  """Greedy episodes of the policy on `tasks`: step time relative to the best expert."""
+  import jax
+  from agents.learned.actors import make_policy
+  from agents.expert import best_expert, evaluate_experts
+  from environments import PartitioningEnv
+  policy = make_policy(networks, evaluation=True)
+  out = {}
+  for task in tasks:
+    env = PartitioningEnv(task, config=env_config)
+    ts = env.reset()
+    if task not in experts:
+      experts[task] = best_expert(evaluate_experts(env.restart_clone())).cost
+    while not ts.last():
+      action, _, _ = policy(policy_params, jax.random.PRNGKey(0), ts.observation)
+      ts = env.step(int(action))
+    fits = env.cost.peak_memory_bytes <= env.context.budget
+    out[task.model] = (env.cost.step_time_s / experts[task].step_time_s, fits)
+  return out
+
+
+def run_evaluator(config: RunConfig, run_dir: str, address: str,
+                  rounds: Optional[int] = None) -> None:
+  """Every `eval_every_s`, plays the greedy policy on the held-out tasks and logs the mean
+  ratio of its step time to the best expert strategy's (lower is better; 1 is parity)."""
+  from agents.learned.variable_client import ReverbVariableSource
+  from agents.loggers import CSVLogger
+  _stop_on_sigterm()
+  builder = config.builder()
+  client = _client(address)
+  networks = builder.make_networks()
+  source = ReverbVariableSource(client, builder.params_treedef(networks))
+  logger = CSVLogger(os.path.join(run_dir, "logs"), "evaluator")
+  tb = _tensorboard(run_dir, "evaluator")
+  experts: dict = {}
+  done = 0
+  try:
+    while rounds is None or done < rounds:
+      start = time.time()
+      params, version = source.get_variables(["policy"])[0]
+      result = evaluate_policy(params, networks, config.heldout_tasks(), config.env_config(),
+                               experts)
+      ratios = [r for r, _ in result.values()]
+      record = {"version": version, "time": time.time(),
+                "heldout_cost_ratio": float(np.mean(ratios)),
+                "heldout_within_10pct": float(np.mean([r <= 1.1 for r in ratios])),
+                "heldout_fits": float(np.mean([f for _, f in result.values()])),
+                **{f"ratio_{m.split(':')[0]}": r for m, (r, _) in result.items()}}
+      logger.write(record)
+      tb(version, record)
+      done += 1
+      time.sleep(max(0.0, config.eval_every_s - (time.time() - start)))
+  except KeyboardInterrupt:
+    pass
+  finally:
+    logger.close()
+
+
+def load_policy(run_dir: str):
+  """(networks, params, config, version) of a run's checkpoint; no Reverb or TensorFlow."""
+  import jax
+  from learners import checkpointing
+  config = RunConfig.load(run_dir)
+  builder = config.builder()
+  networks = builder.make_networks()
+  saved = checkpointing.load(run_dir)
+  state = saved["learner"]["state"]
+  params = state[0] if isinstance(state, tuple) else state.params
+  expected = jax.tree_util.tree_structure(builder.init_params(networks))
+  if jax.tree_util.tree_structure(params) != expected:
+    raise checkpointing.CheckpointError(
+        f"the checkpoint in {run_dir} does not fit the network of its config.json")
+  return networks, params, config, int(np.asarray(state[2]))

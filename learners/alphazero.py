@@ -1,0 +1,52 @@
+"""AlphaZero-style learning: fit the policy to the search's visit distribution and the value to
+the return that followed.
+
+An actor searches with MCTS guided by the network's prior and value at every step; it records
+the normalised visit counts of the root (one-hot finish when the search found nothing better
+than stopping) and, at the end of the episode, the return from that step on. The learner
+samples these steps uniformly (rate-limited against insertion) and minimises cross-entropy to
+the visits plus the squared value error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from agents.learned.networks import Networks
+
+
+@dataclasses.dataclass(frozen=True)
+class AlphaZeroConfig:
+  learning_rate: float = 1e-3
+  weight_decay: float = 1e-4
+  value_cost: float = 0.5
+  max_gradient_norm: float = 1.0
+  return_clip: float = 4.0         # value targets are clipped to +-return_clip
+  epochs: int = 1
+  batch_size: int = 16             # steps per batch
+  simulations: int = 16            # MCTS simulations per move
+  temperature: float = 1.0         # actors sample moves from visits^(1/temperature)
+  replay_size: int = 2000
+  samples_per_insert: float = 4.0  # how often each step is used, on average
+  min_replay_size: int = 32
+
+
+def alphazero_loss(networks: Networks, config: AlphaZeroConfig):
+  """loss_fn(params, batch) -> (loss, metrics)."""
+
+  def loss_fn(params, batch):
+    out = networks.apply(params, batch["observation"])
+    logp = jax.nn.log_softmax(out.logits, axis=-1)
+    visits = batch["visits"]
+    policy_loss = -jnp.mean(jnp.sum(jnp.where(visits > 0, visits * logp, 0.0), axis=-1))
+    value_loss = 0.5 * jnp.mean((out.value - jnp.clip(batch["return"], -config.return_clip,
+                                                   config.return_clip)) ** 2)
+    agreement = jnp.mean(jnp.argmax(out.logits, -1) == jnp.argmax(visits, -1))
+    loss = policy_loss + config.value_cost * value_loss
+    return loss, {"policy_loss": policy_loss, "value_loss": value_loss,
+                  "argmax_agreement": agreement}
+
+  return loss_fn

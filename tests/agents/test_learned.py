@@ -1,0 +1,211 @@
+"""The learned policy: the graph network, Reverb adders on a real server, learners that lower
+their loss, checkpoints that survive and refuse damage."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+import reverb
+import tree
+
+from agents.environment_loop import EnvironmentLoop
+from agents.learned.builders import AlphaZeroBuilder, PPOBuilder
+from agents.learned.networks import MASKED, make_networks
+from agents.learned.variable_client import (LearnerVariableSource, ReverbVariableSource,
+                                            VariableClient, publish)
+from agents.loggers import InMemoryLogger
+from environments import EnvConfig, PartitioningEnv, Task
+from environments.observations import Sizes
+from learners import checkpointing
+from learners.alphazero import AlphaZeroConfig
+from learners.ppo import PPOConfig
+
+SIZES = Sizes(256, 512, 128)
+TASK = Task("mlp:mini", "batch=4,model=2")
+
+
+class _Fixed:
+  """A variable source serving fixed parameters at a given version."""
+
+  def __init__(self, params, version=7):
+    self.params, self.version = params, version
+
+  def get_variables(self, names):
+    return [(self.params, self.version) for _ in names]
+
+
+@pytest.fixture(scope="module")
+def env():
+  return PartitioningEnv(TASK, config=EnvConfig(max_steps=6), pad_to=SIZES)
+
+
+def _server(builder):
+  server = reverb.Server(builder.make_replay_tables())
+  return server, reverb.Client(f"localhost:{server.port}")
+
+
+def _actor(builder, env, client, version=7):
+  """Networks, initial parameters and an actor writing to `client` at a fixed version."""
+  nets = builder.make_networks()
+  params = builder.init_params(nets)
+  return nets, params, builder.make_actor(env, nets, _Fixed(params, version),
+                                          builder.make_adder(client))
+
+
+def test_network_masks_illegal_actions_and_scores_rows_independently(env):
+  obs = env.reset().observation
+  nets = make_networks()
+  params = nets.init(jax.random.PRNGKey(0), obs)
+  out = jax.jit(nets.apply)(params, obs)
+  legal = obs["action_mask"]
+  assert out.logits.shape == legal.shape and out.value.shape == ()
+  assert np.all(np.asarray(out.logits)[~legal] == MASKED)
+  assert np.all(np.isfinite(out.logits)) and np.all(np.asarray(out.logits)[legal] > MASKED / 2)
+  # A pointer head: permuting the candidate actions permutes their logits.
+  perm = np.random.default_rng(0).permutation(legal.shape[0])
+  shuffled = dict(obs, actions=obs["actions"][perm], action_node=obs["action_node"][perm],
+                  action_mask=legal[perm])
+  np.testing.assert_allclose(nets.apply(params, shuffled).logits, np.asarray(out.logits)[perm],
+                             rtol=1e-5, atol=1e-5)
+  # Batched observations give the same answers.
+  batch = jax.tree_util.tree_map(lambda x: np.stack([x, x]), obs)
+  np.testing.assert_allclose(nets.apply(params, batch).value, [out.value] * 2, rtol=1e-5)
+
+
+def test_sequence_adder_writes_padded_sequences_with_versions(env):
+  builder = PPOBuilder(PPOConfig(sequence_length=4, batch_size=2), SIZES)
+  server, client = _server(builder)
+  try:
+    _, _, actor = _actor(builder, env, client)
+    loop = EnvironmentLoop(env, actor, logger=InMemoryLogger())
+    lengths = [loop.run_episode()["episode_length"] for _ in range(2)]
+    expected = sum(-(-n // 4) for n in lengths)   # ceil(n / T) sequences per episode
+    assert client.server_info()["trajectories"].current_size == expected
+    batch = next(builder.make_dataset_iterator(client))
+    assert batch["valid"].shape == (2, 5) and batch["observation"]["nodes"].shape[:2] == (2, 5)
+    assert set(np.unique(batch["version"][batch["valid"] > 0])) == {7}
+    # Valid steps come first; after the episode's last action only the final observation and
+    # padding follow (valid 0, zero reward).
+    for row, reward in zip(batch["valid"], batch["reward"]):
+      n = int(row.sum())
+      assert np.all(row[:n] == 1) and np.all(row[n:] == 0) and np.all(reward[n:] == 0)
+  finally:
+    server.stop()
+
+
+def test_return_adder_records_returns_to_go_and_visits(env):
+  builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, min_replay_size=1, batch_size=1,
+                                             samples_per_insert=100.0), SIZES)
+  server, client = _server(builder)
+  try:
+    _, _, actor = _actor(builder, env, client, version=3)
+    rewards = []
+    env_ = PartitioningEnv(TASK, config=EnvConfig(max_steps=4), pad_to=SIZES)
+    ts = env_.reset()
+    actor.observe_first(ts)
+    while not ts.last():
+      a = actor.select_action(ts.observation)
+      ts = env_.step(a)
+      rewards.append(float(ts.reward))
+      actor.observe(a, ts)
+    assert client.server_info()["trajectories"].current_size == len(rewards)
+    items = [next(client.sample("trajectories", emit_timesteps=False)) for _ in range(20)]
+    template = builder.item_template()
+    returns = {float(tree.unflatten_as(template, list(s.data))["return"]) for s in items}
+    expected = set(np.round(np.cumsum(rewards[::-1])[::-1], 4))
+    assert {round(r, 4) for r in returns} <= expected
+    sample = tree.unflatten_as(template, list(items[0].data))
+    assert np.isclose(sample["visits"].sum(), 1.0) and int(sample["version"]) == 3
+    assert np.all(sample["visits"][~sample["observation"]["action_mask"]] == 0)
+  finally:
+    server.stop()
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "alphazero"])
+def test_learner_step_lowers_the_loss_on_a_fixed_batch(env, algorithm):
+  if algorithm == "ppo":
+    builder = PPOBuilder(PPOConfig(sequence_length=4, batch_size=2, learning_rate=1e-3), SIZES)
+  else:
+    builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, batch_size=4, min_replay_size=4,
+                                               samples_per_insert=100.0), SIZES)
+  server, client = _server(builder)
+  try:
+    nets, params, actor = _actor(builder, env, client)
+    loop = EnvironmentLoop(env, actor, logger=InMemoryLogger())
+    while client.server_info()["trajectories"].current_size < 4:
+      loop.run_episode()
+    batch = next(builder.make_dataset_iterator(client))
+  finally:
+    server.stop()
+  learner = builder.make_learner(nets, params, iter([batch] * 30), logger=InMemoryLogger())
+  stripped = {k: v for k, v in batch.items() if k != "version"}
+  before = learner.loss(stripped)
+  for _ in range(20):
+    metrics = learner.step()
+  assert learner.version == 20 and metrics["policy_lag"] == 19 - 7   # data of version 7
+  assert learner.loss(stripped) < before
+
+
+def test_variable_client_pulls_published_versions_through_reverb():
+  builder = PPOBuilder(PPOConfig(), SIZES)
+  server, client = _server(builder)
+  try:
+    nets = builder.make_networks()
+    params = builder.init_params(nets)
+    source = ReverbVariableSource(client, builder.params_treedef(nets))
+    publish(client, params, 1)
+    vc = VariableClient(source, update_period=3)
+    vc.update()
+    assert vc.version == 1
+    bumped = jax.tree_util.tree_map(lambda x: x + 1, params)
+    publish(client, bumped, 2)
+    vc.update(), vc.update()
+    assert vc.version == 1          # not yet: every third call
+    vc.update()
+    assert vc.version == 2
+    leaf = jax.tree_util.tree_leaves(vc.params)[0]
+    np.testing.assert_allclose(leaf, jax.tree_util.tree_leaves(params)[0] + 1)
+  finally:
+    server.stop()
+
+
+def test_checkpoint_round_trip_and_damage(tmp_path, env):
+  builder = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
+  nets = builder.make_networks()
+  obs = env.reset().observation
+  batch = {"observation": jax.tree_util.tree_map(lambda x: np.stack([x] * 2), obs),
+           "visits": np.stack([obs["action_mask"] / obs["action_mask"].sum()] * 2)
+           .astype(np.float32), "return": np.zeros(2, np.float32),
+           "version": np.zeros(2, np.int64)}
+  learner = builder.make_learner(nets, builder.init_params(nets), iter([batch] * 5),
+                                 logger=InMemoryLogger())
+  learner.step(), learner.step()
+  path = str(tmp_path / "checkpoint.pkl")
+  checkpointing.save(path, {"learner": learner.save()})
+  fresh = builder.make_learner(nets, builder.init_params(nets, seed=1), iter([batch] * 5),
+                               logger=InMemoryLogger())
+  fresh.restore(checkpointing.load(path)["learner"])
+  assert fresh.version == 2
+  np.testing.assert_allclose(jax.tree_util.tree_leaves(fresh.get_variables(["policy"])[0])[0],
+                             jax.tree_util.tree_leaves(learner.get_variables(["policy"])[0])[0])
+  assert fresh.step()["steps"] == 3           # the counter continues too
+  data = bytearray(open(path, "rb").read())
+  data[-10] ^= 0xFF
+  open(path, "wb").write(bytes(data))
+  with pytest.raises(checkpointing.CheckpointError, match="damaged"):
+    checkpointing.load(path)
+  (tmp_path / "other").write_text("hello")
+  with pytest.raises(checkpointing.CheckpointError, match="not a shardzero checkpoint"):
+    checkpointing.load(str(tmp_path / "other"))
+  with pytest.raises(checkpointing.CheckpointError, match="no checkpoint"):
+    checkpointing.load(str(tmp_path / "missing"))
+
+
+def test_learner_source_serves_current_version(env):
+  builder = PPOBuilder(PPOConfig(), SIZES)
+  nets = builder.make_networks()
+  learner = builder.make_learner(nets, builder.init_params(nets), iter([]),
+                                 logger=InMemoryLogger())
+  params, version = LearnerVariableSource(learner).get_variables(["policy"])[0]
+  assert version == 0 and dataclasses.is_dataclass(builder.config)

@@ -1,0 +1,123 @@
+"""`shardzero train` as separate processes over a real Reverb server on localhost, resume,
+`propose` from the checkpoint, `plot`, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import reverb
+
+from launch.training import RunConfig
+from tests.launch.test_cli import run
+
+CONFIG = RunConfig(models=("mlp:mini",), heldout=("mlp:mini",), meshes=("batch=4,model=2",),
+                   budget_fractions=(None,), max_steps=4, steps=3, actors=1,
+                   sizes=(256, 512, 128), variable_update_period=2,
+                   settings={"batch_size": 2, "sequence_length": 2})
+
+
+def _train(run_dir, address, *extra, timeout=400):
+  env = dict(os.environ, PYTHONPATH=os.getcwd())
+  return subprocess.run([sys.executable, "-m", "launch.cli", "train", "--run-dir", str(run_dir),
+                         "--reverb", address, "--no-evaluator", *extra], env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A learner process and an actor process for 3 updates, then resumed to 5."""
+  run_dir = tmp_path_factory.mktemp("run")
+  CONFIG.save(str(run_dir))
+  server = reverb.Server(CONFIG.builder().make_replay_tables())
+  address = f"localhost:{server.port}"
+  client = reverb.Client(address)
+  first = _train(run_dir, address, "--resume")
+  versions = [int(np.asarray(next(client.sample("params", emit_timesteps=False)).data[-1])[0])]
+  second = _train(run_dir, address, "--resume", "--steps", "5")
+  versions.append(int(np.asarray(next(client.sample("params", emit_timesteps=False))
+                                 .data[-1])[0]))
+  server.stop()
+  return run_dir, first, second, versions
+
+
+def _rows(path):
+  import csv
+  with open(path, newline="") as f:
+    return list(csv.DictReader(f))
+
+
+def test_two_processes_train_publish_versions_and_resume_without_loss(trained):
+  run_dir, first, second, versions = trained
+  assert first.returncode == 0, first.stderr[-2000:]
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert versions == [3, 5]
+  learner = _rows(run_dir / "logs" / "learner.csv")
+  assert [int(float(r["steps"])) for r in learner] == [1, 2, 3, 4, 5]
+  assert all(float(r["policy_lag"]) >= 0 for r in learner)
+  episodes = _rows(run_dir / "logs" / "actor_0.csv")
+  counts = [int(float(r["episodes"])) for r in episodes]
+  assert counts == list(range(1, len(counts) + 1))      # the resumed actor kept counting
+  seen = [int(r["version"]) for r in episodes]
+  assert seen[-1] > 0
+  from learners import checkpointing
+  saved = checkpointing.load(str(run_dir))
+  assert int(saved["learner"]["state"][2]) == 5 and saved["learner"]["counts"]["steps"] == 5
+  assert os.listdir(run_dir / "tb" / "learner")
+
+
+def test_propose_uses_the_checkpoint(trained, capsys, tmp_path):
+  run_dir = trained[0]
+  code, out, err = run(capsys, "propose", "mlp:mini", "--mesh", "batch=4,model=2", "--policy",
+                       str(run_dir), "--json", "-")
+  assert code == 0, err
+  data = json.loads(out)
+  assert data["policy_version"] == 5 and data["policy_time_s"] > 0
+  assert data["expert"]["name"] and data["cost_ratio_to_expert"] > 0
+  code, out, err = run(capsys, "propose", "mlp:mini", "--mesh", "batch=4,model=2", "--policy",
+                       str(run_dir), "--search", "mcts", "--budget", "6", "--json", "-")
+  data = json.loads(out)
+  assert code == 0 and 0 < data["simulations"] <= 6
+  assert data["score"] >= 0            # the search keeps the start if nothing beats it
+  code, out, err = run(capsys, "propose", "mlp:mini", "--mesh", "batch=4,model=2", "--policy",
+                       str(tmp_path))
+  assert code == 2 and "not a training run" in err
+
+
+def test_propose_verifies_and_refuses_a_damaged_checkpoint(trained, capsys, tmp_path):
+  run_dir = trained[0]
+  code, out, err = run(capsys, "propose", "mlp:small", "--mesh", "batch=4,model=2", "--policy",
+                       str(run_dir), "--verify")
+  assert code == 0 and "verify: OK" in out
+  import shutil
+  copy = tmp_path / "copy"
+  shutil.copytree(run_dir, copy)
+  path = copy / "checkpoint.pkl"
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+  code, out, err = run(capsys, "propose", "mlp:mini", "--mesh", "batch=4,model=2", "--policy",
+                       str(copy))
+  assert code == 2 and "damaged" in err
+
+
+def test_plot_draws_the_curves(trained, capsys, tmp_path):
+  out_png = tmp_path / "c.png"
+  code, out, err = run(capsys, "plot", str(trained[0]), "--out", str(out_png))
+  assert code == 0 and out_png.read_bytes()[:4] == b"\x89PNG"
+  code, out, err = run(capsys, "plot", str(tmp_path))
+  assert code == 2 and "no training logs" in err
+
+
+def test_train_rejects_bad_input(capsys, tmp_path):
+  code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "a"), "--set", "nonsense=1")
+  assert code == 2 and "unknown ppo settings" in err
+  code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "b"), "--meshes", "batch=x")
+  assert code == 2
+  CONFIG.save(str(tmp_path / "c"))
+  code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "c"))
+  assert code == 2 and "--resume" in err
+  code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "c"), "--role", "learner")
+  assert code == 2 and "--reverb" in err
