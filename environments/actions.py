@@ -102,19 +102,22 @@ def check_tactic(tactic: Tactic, state: ShardingState, index: int) -> str | None
   return None
 
 
-def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint]) -> list[Action]:
-  """Every action of a task: the tiles that divide, the manual tactics that apply to the
-  unpartitioned program (one that does not never will), and finish (last)."""
+def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
+                 axes: Sequence[str] | None = None) -> list[Action]:
+  """Every action of a task over `axes` (default: all): the tiles that divide, the manual
+  tactics that apply to the unpartitioned program (one that does not never will), and finish
+  (last)."""
   sizes = mesh.sizes
+  axes = mesh.names if axes is None else tuple(axes)
   actions = []
   for k, point in enumerate(points):
     for dim, n in enumerate(point.shape):
-      for a in mesh.names:
+      for a in axes:
         if sizes[a] > 1 and n % sizes[a] == 0:
           actions.append(Action("tile", Tile(point.pattern, dim, a), k, dim, a))
   root = ShardingState(program, mesh)
   for kind, tactic in manual_tactics(mesh):
-    if sizes[tactic.axis] > 1 and check_tactic(tactic, root, 0) is None:
+    if tactic.axis in axes and sizes[tactic.axis] > 1 and check_tactic(tactic, root, 0) is None:
       actions.append(Action(kind, tactic, axis=tactic.axis))
   actions.append(Action("finish", None))
   return actions

@@ -53,25 +53,32 @@ class StateInfo(NamedTuple):
 
 class TaskContext:
   """What every episode of one task shares: the program, the action space, the static arrays,
-  the simulator and the cache of states by action sequence."""
+  the simulator and the cache of states by action sequence.
 
-  def __init__(self, task: Task, pad_to: Sizes | None = None, cache_size: int = 256):
+  By default episodes start unpartitioned with actions over every mesh axis; `start` (a
+  partitioned program of the task's mesh) and `axes` make a sub-problem, which is what an
+  automatic tactic inside a manual schedule solves."""
+
+  def __init__(self, task: Task, pad_to: Sizes | None = None, cache_size: int = 256, *,
+               start: PartitionedProgram | None = None, axes: Sequence[str] | None = None):
     from partitioner.cost import Simulator, load_hardware
     self.task = task
-    self.program = program = load_program(task.model)
+    self.program = program = start.program if start is not None else load_program(task.model)
     self.mesh = mesh = Mesh.parse(task.mesh)
+    if start is not None and start.mesh.axes != mesh.axes:
+      raise ShardzeroError(f"the start state is over {start.mesh}, the task over {task.mesh}")
     self.hardware = load_hardware(task.hardware)
     self.budget = task.memory_budget or self.hardware.hbm_bytes
     self.simulator = Simulator(program, mesh, self.hardware)
     self.points: list[DecisionPoint] = decision_points(program)
-    self.actions: list[Action] = action_space(program, mesh, self.points)
+    self.actions: list[Action] = action_space(program, mesh, self.points, axes)
     self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
     self.finish = len(self.actions) - 1
     self.index = {str(a): i for i, a in enumerate(self.actions)}
     self._members = {m for p in self.points for m in p.members}
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self.cache_size = cache_size
-    self.root = self._make(PartitionedProgram(program, mesh), None)
+    self.root = self._make(start if start is not None else PartitionedProgram(program, mesh), None)
 
   # ---------------------------------------------------------------------------------- states
   def state(self, history: tuple[int, ...], parent: StateInfo) -> StateInfo:
@@ -150,10 +157,14 @@ class EnvConfig:
 
 class PartitioningEnv(dm_env.Environment):
   """Partitioning one task per episode, drawn from `tasks` (a `Task`, a list of tasks, or a
-  `TaskDistribution`) with the environment's own seeded generator."""
+  `TaskDistribution`) with the environment's own seeded generator; or always the one task of
+  a given `TaskContext`."""
 
-  def __init__(self, tasks: Task | Sequence[Task] | TaskDistribution, *, seed: int = 0,
-               config: EnvConfig = EnvConfig(), pad_to: Sizes | None = None):
+  def __init__(self, tasks: Task | Sequence[Task] | TaskDistribution | TaskContext, *,
+               seed: int = 0, config: EnvConfig = EnvConfig(), pad_to: Sizes | None = None):
+    self._fixed = tasks if isinstance(tasks, TaskContext) else None
+    if self._fixed is not None:
+      tasks = [self._fixed.task]
     if isinstance(tasks, Task):
       tasks = [tasks]
     if not isinstance(tasks, TaskDistribution) and not tasks:
@@ -167,7 +178,9 @@ class PartitioningEnv(dm_env.Environment):
     self._history: tuple[int, ...] = ()
     self._done = True
     self._fresh = True
-    if not isinstance(tasks, TaskDistribution) and len(tasks) == 1:
+    if self._fixed is not None:
+      self._ctx = self._fixed
+    elif not isinstance(tasks, TaskDistribution) and len(tasks) == 1:
       self._ctx = task_context(tasks[0], pad_to)   # specs are known before the first reset
 
   # ------------------------------------------------------------------------------ dm_env API
@@ -176,7 +189,7 @@ class PartitioningEnv(dm_env.Environment):
       task = self._tasks.sample(self._rng)
     else:
       task = self._tasks[int(self._rng.integers(len(self._tasks)))]
-    self._ctx = task_context(task, self._pad_to)
+    self._ctx = self._fixed or task_context(task, self._pad_to)
     self._info, self._history = self._ctx.root, ()
     self._done, self._fresh = False, False
     return dm_env.restart(self._observation())

@@ -26,7 +26,12 @@ Tactics (separated by ';'):
   ZeRO(AXIS, stage=1|2|3)        shard optimizer state / gradients / parameters over AXIS
   EmbeddingSharding(AXIS)        split embedding tables along the vocabulary
   Tile(PATTERN, DIM, AXIS)       tile matching inputs (globs: params/**/w_in/w)
+  ExpertParallel(AXIS)           split expert weights along the expert dimension
+  SequenceParallel(AXIS[, DIM])  split the batch inputs along the sequence dimension
   Replicate(PATTERN[, AXES])     keep matching inputs replicated
+  Auto(AXES[, agent=greedy|beam|mcts|random, budget=N, policy=RUN_DIR, hardware=HW,
+       memory=BYTES])            let a search agent or a trained policy ('shardzero train'
+                                 run) choose tactics over AXES (model, batch+model)
 """
 
 EXAMPLES = """\
@@ -34,6 +39,8 @@ examples:
   shardzero partition gpt:small --mesh batch=2,model=4 \\
       --tactics "BatchParallel(batch); Megatron(model)" --verify
   shardzero partition mlp:small --mesh batch=8 --tactics "ZeRO(batch, stage=3)" --json -
+  shardzero partition t5:mini --mesh batch=4,model=2 \
+      --tactics "BatchParallel(batch); Auto(model, agent=mcts, budget=50)"
 """
 
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import time
-
-import numpy as np
 
 from launch import report
 from launch.partition_command import _mesh_size
@@ -47,47 +44,11 @@ def add_parser(sub) -> None:
   p.set_defaults(run=run, host_devices=lambda: _mesh_size(p))
 
 
-def propose(env, networks, params, search: str = "greedy", budget: int = 50):
-  """Plays the policy in `env` from its current state to the end; returns (seconds spent
-  deciding and applying, simulations). The first call for a size bucket compiles; the timing
-  is taken after a warm-up call."""
-  import jax
-  from agents.learned.actors import make_policy, make_prior_value
-  from agents.mcts import MCTSActor
-  policy = make_policy(networks, evaluation=True)
-  observation = env.observation()
-  policy(params, jax.random.PRNGKey(0), observation)[0].block_until_ready()   # compile
-  start = time.perf_counter()
-  simulations = 0
-  if search == "mcts":
-    prior_value = make_prior_value(networks)
-
-    def evaluate(obs):
-      probs, value = prior_value(params, obs)
-      return np.asarray(probs), float(value)
-
-    mcts = MCTSActor(env, budget=budget, prior_fn=lambda o: evaluate(o)[0],
-                     value_fn=lambda o: evaluate(o)[1])
-    plan = mcts.plan(env.clone())
-    simulations = plan.simulations
-    for a in plan.actions:
-      if env.done:
-        break
-      env.step(a)
-  else:
-    done = env.done
-    while not done:
-      action, _, _ = policy(params, jax.random.PRNGKey(0), observation)
-      ts = env.step(int(action))
-      observation, done = ts.observation, ts.last()
-  return time.perf_counter() - start, simulations
-
-
 def run(args) -> int:
   import corpus
   from agents.expert import best_expert, evaluate_experts
   from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
-  from launch.training import load_policy
+  from agents.learned.inference import load_policy, play_policy
   from partitioner.cost import load_hardware
   from partitioner.errors import ShardzeroError
   from partitioner.mesh import Mesh
@@ -96,8 +57,9 @@ def run(args) -> int:
   load_hardware(args.hardware)
   if args.budget < 1:
     raise ShardzeroError("--budget must be positive")
-  networks, params, config, version = load_policy(args.policy)
-  max_steps = args.max_steps or config.max_steps
+  policy = load_policy(args.policy)
+  version = policy.version
+  max_steps = args.max_steps or policy.max_steps
   if max_steps < 1:
     raise ShardzeroError("--max-steps must be positive")
   budget = parse_bytes(args.memory_budget) if args.memory_budget else None
@@ -108,7 +70,7 @@ def run(args) -> int:
   out = report.console()
   env = PartitioningEnv(task, config=EnvConfig(max_steps=max_steps))
   env.reset()
-  policy_s, simulations = propose(env, networks, params, args.search, args.budget)
+  policy_s, simulations = play_policy(env, policy, args.search, args.budget)
   found, cost, ctx = env.partitioned, env.cost, env.context
   expert = best_expert(evaluate_experts(env.restart_clone())) if is_corpus else None
   result = {

@@ -297,20 +297,3 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
     pass
   finally:
     logger.close()
-
-
-def load_policy(run_dir: str):
-  """(networks, params, config, version) of a run's checkpoint; no Reverb or TensorFlow."""
-  import jax
-  from learners import checkpointing
-  config = RunConfig.load(run_dir)
-  builder = config.builder()
-  networks = builder.make_networks()
-  saved = checkpointing.load(run_dir)
-  state = saved["learner"]["state"]
-  params = state[0] if isinstance(state, tuple) else state.params
-  expected = jax.tree_util.tree_structure(builder.init_params(networks))
-  if jax.tree_util.tree_structure(params) != expected:
-    raise checkpointing.CheckpointError(
-        f"the checkpoint in {run_dir} does not fit the network of its config.json")
-  return networks, params, config, int(np.asarray(state[2]))

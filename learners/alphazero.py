@@ -29,6 +29,7 @@ class AlphaZeroConfig:
   batch_size: int = 16             # steps per batch
   simulations: int = 16            # MCTS simulations per move
   temperature: float = 1.0         # actors sample moves from visits^(1/temperature)
+  prior_mix: float = 0.25          # actors search with this share of the heuristic prior
   replay_size: int = 2000
   samples_per_insert: float = 4.0  # how often each step is used, on average
   min_replay_size: int = 32

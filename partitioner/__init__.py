@@ -7,7 +7,7 @@ from partitioner.ir import Op, Program, Value
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram, apply
 from partitioner.sharding import Sharding
-from partitioner.tactics import (BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
+from partitioner.tactics import (Auto, BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
                                  Replicate, SequenceParallel, Tactic, Tile, ZeRO, parse_schedule)
 from partitioner.tracing import trace
 
@@ -25,7 +25,7 @@ def to_jax_shardings(partitioned, jax_mesh=None):
 
 
 __all__ = [
-    "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
+    "Auto", "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
     "Op", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
     "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "Tactic", "Tile", "Value",
     "WorkloadError", "ZeRO", "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",

@@ -55,7 +55,7 @@ class PartitionedProgram:
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)
     for tactic in as_tactics(schedule):
-      ctx = TacticContext(state, len(done))
+      ctx = TacticContext(state, len(done), schedule=done)
       tactic.apply(ctx)
       done.append(tactic)
       reports.append(ctx.report(tactic))

@@ -5,15 +5,17 @@ Manual tactics (`Tile`, `Replicate`, `BatchParallel`, `Megatron`, `ZeRO`, `Embed
 from model internals listed by hand. A schedule is a list of tactics applied in order; each
 one refines what the earlier ones decided. Tactics that tile an input also tile the outputs
 aliased to it (new params for params), so a training step maps its state to the same layout.
+`Auto` hands mesh axes to a search agent or a trained policy inside the same schedule.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import re
 import time
-from typing import ClassVar, NamedTuple, Sequence
+from typing import Callable, ClassVar, NamedTuple, Sequence
 
 from partitioner import roles as R
 from partitioner.errors import PatternError, ScheduleError
@@ -37,8 +39,10 @@ class TacticReport(NamedTuple):
 class TacticContext:
   """What a tactic works with: the program, the mesh, the state it refines, its position."""
 
-  def __init__(self, state: ShardingState, index: int, dry_run: bool = False):
+  def __init__(self, state: ShardingState, index: int, dry_run: bool = False,
+               schedule: Sequence["Tactic"] = ()):
     self.state = state
+    self.schedule = tuple(schedule)   # the tactics applied before this one
     self.dry_run = dry_run    # tile (and so check) the targets, but do not propagate
     self.program = state.program
     self.mesh = state.mesh
@@ -348,6 +352,61 @@ class ZeRO(Tactic):
         if v not in fed and not any(self.axis in d for d in state.dims[v]):
           state.forbidden[v] = state.forbidden.get(v, frozenset()) | {self.axis}
     ctx.propagate()
+
+
+class AutoRequest(NamedTuple):
+  """What an automatic tactic hands to its solver: the state so far and what it may decide."""
+  tactic: "Auto"
+  state: ShardingState             # a copy of the state so far; the solver may not change it
+  schedule: tuple                  # the tactics applied before
+  axes: tuple[str, ...]            # the mesh axes the solver may shard over
+
+
+# agent name -> solver(request) -> the tactics to apply. Solvers live above the partitioner
+# (they play agents in the environment); `AUTO_PLUGIN` registers them when Auto first runs.
+AutoSolver = Callable[[AutoRequest], Sequence[Tactic]]
+AUTO_SOLVERS: dict[str, AutoSolver] = {}
+AUTO_PLUGIN = "agents.auto"
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Auto(Tactic):
+  """Hands mesh axes (`"model"`, `"batch+model"`, empty for all) to a search agent or a
+  trained policy, which picks tactics over those axes starting from what the schedule decided
+  so far, scored by the simulator on `hardware` with `memory` bytes per device (default: the
+  device's). `policy` is a `shardzero train` run directory; `agent` is greedy, beam, mcts or
+  random without one, greedy (decoding) or mcts (policy-guided) with one. The report lists
+  the tactics chosen; the same schedule chooses the same ones again."""
+  axes: str = ""
+  policy: str = ""
+  agent: str = "greedy"
+  budget: int = 50
+  hardware: str = "h100"
+  memory: str = ""
+  max_steps: int = 0
+  name: ClassVar[str] = "Auto"
+
+  def apply(self, ctx):
+    axes = tuple(a for a in re.split(r"[+ ]", self.axes) if a) or ctx.mesh.names
+    for a in axes:
+      ctx.mesh.check_axis(a)
+    solver_name = "policy" if self.policy else self.agent
+    if solver_name not in AUTO_SOLVERS:
+      importlib.import_module(AUTO_PLUGIN)
+    solver = AUTO_SOLVERS.get(solver_name)
+    if solver is None:
+      known = ", ".join(sorted(k for k in AUTO_SOLVERS if k != "policy"))
+      raise ScheduleError(f"Auto: unknown agent {self.agent!r}; known: {known} "
+                          "(or policy=RUN_DIR)")
+    if ctx.dry_run:
+      return
+    chosen = list(solver(AutoRequest(self, ctx.state.copy(), ctx.schedule, axes)))
+    for tactic in chosen:
+      if isinstance(tactic, Auto):
+        raise ScheduleError("Auto: a solver returned another Auto tactic")
+      tactic.apply(ctx)
+    ctx.notes.append("chose: " + (format_schedule(chosen) or "nothing"))
 
 
 def _count(state, vid, dim) -> int:

@@ -18,7 +18,7 @@ from agents.adders import Adder
 from agents.core import Actor
 from agents.learned.networks import Networks
 from agents.learned.variable_client import VariableClient
-from agents.mcts import MCTSActor
+from agents.mcts import MCTSActor, heuristic_prior
 
 # policy(params, key, observation) -> (action, log_prob, value)
 Policy = Callable
@@ -44,6 +44,27 @@ def make_prior_value(networks: Networks):
     return jax.nn.softmax(out.logits), out.value
 
   return jax.jit(prior_value)
+
+
+def make_search_fns(networks: Networks, get_params: Callable[[], object],
+                    prior_mix: float = 0.0):
+  """`(prior_fn, value_fn)` for MCTS from the network, evaluated once per observation: the
+  search asks for a leaf's prior and then for its value. `prior_mix` blends in the heuristic
+  prior of plain MCTS, which keeps an untrained network's search from being blind (as
+  AlphaZero's root noise keeps it exploring)."""
+  prior_value = make_prior_value(networks)
+  last: list = [None, None]
+
+  def evaluate(observation):
+    if last[0] is not observation:
+      probs, value = prior_value(get_params(), observation)
+      probs = np.asarray(probs)
+      if prior_mix:
+        probs = (1 - prior_mix) * probs + prior_mix * heuristic_prior(observation)
+      last[:] = [observation, (probs, float(value))]
+    return last[1]
+
+  return (lambda obs: evaluate(obs)[0]), (lambda obs: evaluate(obs)[1])
 
 
 class _AdderActor(Actor):
@@ -90,23 +111,18 @@ class AlphaZeroActor(_AdderActor):
 
   def __init__(self, environment, networks: Networks, variable_client: VariableClient,
                adder: Optional[Adder] = None, simulations: int = 16, temperature: float = 1.0,
-               evaluation: bool = False, seed: int = 0):
+               prior_mix: float = 0.0, evaluation: bool = False, seed: int = 0):
     self._env = environment
     self._client = variable_client
     self._adder = adder
-    self._prior_value = make_prior_value(networks)
     self._temperature = temperature
     self._evaluation = evaluation
     self._rng = np.random.default_rng(seed)
+    prior_fn, value_fn = make_search_fns(networks, lambda: self._client.params, prior_mix)
     self._mcts = MCTSActor(environment, budget=simulations, seed=seed,
-                           prior_fn=lambda obs: self._evaluate(obs)[0],
-                           value_fn=lambda obs: self._evaluate(obs)[1])
+                           prior_fn=prior_fn, value_fn=value_fn)
     self._extras: dict = {}
     self.simulations = 0
-
-  def _evaluate(self, observation):
-    probs, value = self._prior_value(self._client.params, observation)
-    return np.asarray(probs), float(value)
 
   def select_action(self, observation) -> int:
     if self._client.params is None:

@@ -185,6 +185,7 @@ class AlphaZeroBuilder(Builder):
     c = self.config
     return AlphaZeroActor(environment, networks, VariableClient(variable_source, update_period),
                           adder, simulations=c.simulations, temperature=c.temperature,
+                          prior_mix=0.0 if evaluation else c.prior_mix,
                           evaluation=evaluation, seed=seed)
 
   def loss(self, networks):

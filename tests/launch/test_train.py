@@ -103,6 +103,21 @@ def test_propose_verifies_and_refuses_a_damaged_checkpoint(trained, capsys, tmp_
   assert code == 2 and "damaged" in err
 
 
+def test_auto_plays_the_policy_inside_a_manual_schedule(trained, capsys):
+  run_dir = trained[0]
+  schedule = f"BatchParallel(batch); Auto(model, policy='{run_dir}')"
+  code, out, err = run(capsys, "partition", "mlp:mini", "--mesh", "batch=4,model=2",
+                       "--tactics", schedule, "--json", "-")
+  assert code == 0, err
+  auto = json.loads(out)["tactics"][1]
+  assert auto["tactic"].startswith("Auto(")
+  assert auto["notes"][-1].startswith("chose: ")
+  assert {a for _, _, axes in auto["targets"] for a in axes} <= {"model"}
+  code, out, err = run(capsys, "partition", "mlp:mini", "--mesh", "batch=4,model=2",
+                       "--tactics", f"Auto(model, policy='{run_dir}', agent=beam)")
+  assert code == 2 and "greedy (decoding) or mcts" in err
+
+
 def test_plot_draws_the_curves(trained, capsys, tmp_path):
   out_png = tmp_path / "c.png"
   code, out, err = run(capsys, "plot", str(trained[0]), "--out", str(out_png))

@@ -1,0 +1,83 @@
+"""Using a trained policy: load a run's checkpoint and play it in an environment.
+
+Needs neither Reverb nor TensorFlow, so `propose` and the `Auto` tactic stay light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from agents.learned.actors import make_policy, make_search_fns
+from agents.learned.builders import make_builder
+from agents.learned.networks import Networks
+from learners import checkpointing
+from partitioner.errors import ShardzeroError
+
+CONFIG = "config.json"
+
+
+class TrainedPolicy(NamedTuple):
+  networks: Networks
+  params: Any
+  version: int          # learner updates behind the parameters
+  max_steps: int        # the episode length it was trained for
+  run_dir: str
+
+
+def load_policy(run_dir: str) -> TrainedPolicy:
+  """The policy checkpointed in a `shardzero train` run directory."""
+  path = os.path.join(run_dir, CONFIG)
+  if not os.path.exists(path):
+    raise ShardzeroError(f"{run_dir} is not a training run (no {CONFIG})")
+  with open(path) as f:
+    config = json.load(f)
+  builder = make_builder(config.get("algorithm", "ppo"), config.get("settings"),
+                         tuple(config.get("sizes", (4096, 8192, 512))), config.get("network"))
+  networks = builder.make_networks()
+  state = checkpointing.load(run_dir)["learner"]["state"]
+  params = state[0] if isinstance(state, tuple) else state.params
+  expected = jax.tree_util.tree_structure(builder.init_params(networks))
+  if jax.tree_util.tree_structure(params) != expected:
+    raise checkpointing.CheckpointError(
+        f"the checkpoint in {run_dir} does not fit the network of its {CONFIG}")
+  return TrainedPolicy(networks, params, int(np.asarray(state[2])),
+                       int(config.get("max_steps", 12)), run_dir)
+
+
+def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
+                budget: int = 50) -> tuple[float, int]:
+  """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
+  likely legal action until finish), or MCTS with `budget` simulations guided by the policy's
+  prior and value. Returns (seconds spent deciding and applying, simulations). The first call
+  for a size bucket compiles; the timing is taken after a warm-up call."""
+  from agents.mcts import MCTSActor
+  networks, params = policy.networks, policy.params
+  greedy = make_policy(networks, evaluation=True)
+  observation = env.observation()
+  greedy(params, jax.random.PRNGKey(0), observation)[0].block_until_ready()   # compile
+  start = time.perf_counter()
+  simulations = 0
+  if search == "mcts":
+    prior_fn, value_fn = make_search_fns(networks, lambda: params)
+    mcts = MCTSActor(env, budget=budget, prior_fn=prior_fn, value_fn=value_fn)
+    plan = mcts.plan(env.clone())
+    simulations = plan.simulations
+    for a in plan.actions:
+      if env.done:
+        break
+      env.step(a)
+  elif search == "greedy":
+    done = env.done
+    while not done:
+      action, _, _ = greedy(params, jax.random.PRNGKey(0), observation)
+      ts = env.step(int(action))
+      observation, done = ts.observation, ts.last()
+  else:
+    raise ShardzeroError(f"unknown policy search {search!r}; use greedy or mcts")
+  return time.perf_counter() - start, simulations

@@ -1,0 +1,99 @@
+"""A trained policy on the held-out split: greedy `propose` and policy-guided search against
+plain MCTS, in cost relative to the best expert strategy and in simulations.
+
+For each held-out task of the run (its config's held-out models on its evaluation mesh): the
+greedy policy's cost ratio and decision time; then MCTS with the heuristic prior and MCTS with
+the policy's prior and value at growing budgets, reporting each one's ratio and the fewest
+simulations that reach within 10% of the expert (issue 6). Prints a table and writes
+benchmarks/results/policy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agents.expert import best_expert, evaluate_experts  # noqa: E402
+from agents.learned.actors import make_search_fns  # noqa: E402
+from agents.learned.inference import load_policy, play_policy  # noqa: E402
+from agents.mcts import MCTSActor  # noqa: E402
+from environments import EnvConfig, PartitioningEnv, Task  # noqa: E402
+
+WITHIN = 1.10
+
+
+def _mcts_ratio(env, budget, expert_time, policy=None) -> float:
+  fns = {} if policy is None else dict(zip(
+      ("prior_fn", "value_fn"), make_search_fns(policy.networks, lambda: policy.params)))
+  plan = MCTSActor(env, budget=budget, **fns).plan(env.clone())
+  trial = env.clone()
+  for a in plan.actions:
+    if trial.done:
+      break
+    trial.step(a)
+  return trial.cost.step_time_s / expert_time
+
+
+def measure(task: Task, policy, budgets) -> dict:
+  env = PartitioningEnv(task, config=EnvConfig(max_steps=policy.max_steps))
+  env.reset()
+  expert = best_expert(evaluate_experts(env.restart_clone()))
+  expert_time = expert.cost.step_time_s
+  greedy = env.clone()
+  seconds, _ = play_policy(greedy, policy, "greedy")
+  row = {"model": task.model, "mesh": task.mesh, "expert": expert.name,
+         "greedy_ratio": greedy.cost.step_time_s / expert_time, "greedy_time_s": seconds,
+         "greedy_schedule": greedy.partitioned.strategy, "plain": {}, "guided": {}}
+  for b in budgets:
+    row["plain"][b] = _mcts_ratio(env, b, expert_time)
+    row["guided"][b] = _mcts_ratio(env, b, expert_time, policy)
+  for kind in ("plain", "guided"):
+    reached = [b for b in budgets if row[kind][b] <= WITHIN]
+    row[f"{kind}_simulations_to_10pct"] = reached[0] if reached else None
+  return row
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--policy", default="runs/demo", help="a 'shardzero train' run directory")
+  parser.add_argument("--budgets", default="4,8,16,32,64,128", help="MCTS simulation budgets")
+  parser.add_argument("--out", default="benchmarks/results/policy.json")
+  args = parser.parse_args(argv)
+  policy = load_policy(args.policy)
+  with open(os.path.join(args.policy, "config.json")) as f:
+    config = json.load(f)
+  import corpus
+  models = config.get("heldout") or [f"{n}:{config.get('preset', 'mini')}"
+                                     for n in corpus.split("heldout")]
+  budgets = [int(b) for b in args.budgets.split(",")]
+  tasks = [Task(m, config.get("eval_mesh", "batch=4,model=2"), config.get("hardware", "h100"))
+           for m in models]
+  rows = [measure(t, policy, budgets) for t in tasks]
+  fmt = lambda n: "-" if n is None else str(n)
+  header = ("model", "greedy ratio", "greedy s", "plain sims", "guided sims")
+  print("".join(f"{h:>14s}" for h in header) + "   ratio at each budget (plain / guided)")
+  for r in rows:
+    cells = (r["model"], f"{r['greedy_ratio']:.3f}", f"{r['greedy_time_s']:.3f}",
+             fmt(r["plain_simulations_to_10pct"]), fmt(r["guided_simulations_to_10pct"]))
+    trail = "  ".join(f"{b}:{r['plain'][b]:.2f}/{r['guided'][b]:.2f}" for b in budgets)
+    print("".join(f"{c:>14}" for c in cells) + "   " + trail)
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps({"benchmark": "policy", "policy": args.policy,
+                             "policy_version": policy.version, "within": WITHIN,
+                             "machine": platform.machine(), "python": platform.python_version(),
+                             "rows": rows}, indent=2) + "\n")
+  print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
