@@ -17,15 +17,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job: a short training run (PPO, 2 actor processes, a learner and an evaluator over
-# Reverb) on the train split, then the policy proposes a strategy for a held-out model.
+# The main job: a short training run (AlphaZero-style, 2 actor processes, a learner and an
+# evaluator over Reverb) on the train split, then the policy proposes a strategy for a held-out
+# model, greedily and with policy-guided search.
 demo: install
 	rm -rf runs/demo
-	$(VENV)/bin/shardzero train --run-dir runs/demo --actors 2 --steps 30 --eval-every 60
+	$(VENV)/bin/shardzero train --run-dir runs/demo --algorithm alphazero --actors 2 --steps 80 \
+	  --eval-every 60
 	$(VENV)/bin/shardzero plot runs/demo
-	$(VENV)/bin/shardzero propose t5:mini --mesh batch=4,model=2 --policy runs/demo
-	$(VENV)/bin/shardzero propose t5:mini --mesh batch=4,model=2 --policy runs/demo \
-	  --search mcts --budget 30
+	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo
+	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo \
+	  --search mcts --budget 16
 
 test: install
 	$(PY) -m pytest -q tests
@@ -34,6 +36,8 @@ bench: install
 	$(PY) benchmarks/bench_partitioner.py
 	$(PY) benchmarks/bench_cost_model.py
 	$(PY) benchmarks/bench_environment.py
+	@if [ -f runs/demo/checkpoint.pkl ]; then $(PY) benchmarks/bench_policy.py --policy runs/demo; \
+	else echo "bench_policy: no trained policy in runs/demo (run 'make demo' first)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -36,7 +36,7 @@ def test_schedule_parses_and_prints_back():
 
 
 @pytest.mark.parametrize("text,message", [
-    ("Megatorn(model)", "unknown tactic 'Megatorn'; known: BatchParallel"),
+    ("Megatorn(model)", "unknown tactic 'Megatorn'; known: Auto, BatchParallel"),
     ("Tile(x, 0)", r"bad arguments for Tile\(value, dim, axis\)"),
     ("BatchParallel(batch", "cannot parse tactic"),
     ("ZeRO(batch, stage=4)", "ZeRO stage must be 1, 2 or 3"),
