@@ -11,9 +11,7 @@ well under 50 ms. Prints a table and writes benchmarks/results/cost_model.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import corpus  # noqa: E402
 import partitioner as P  # noqa: E402
 from partitioner.cost import Simulator  # noqa: E402
+from benchmarks.reporting import print_table, write_results  # noqa: E402
 
 TACTICS = ["BatchParallel(batch)", "Megatron(model)", "ZeRO(batch, stage=3)"]
 HARDWARE = "h100"
@@ -79,19 +78,15 @@ def main(argv=None) -> int:
   print("incremental per step (apply / plan / simulate ms); simulate from scratch; set-up")
   header = ("layers", "devices", "ops", *(t.split("(")[0] for t in TACTICS), "full sim",
             "set-up")
-  print("".join(f"{h:>22s}" for h in header))
+  table = []
   for r in rows:
     cells = [r["layers"], r["devices"], r["ops"]]
     cells += [f"{1e3 * s['apply_s']:.0f} / {1e3 * s['plan_s']:.0f} / "
               f"{1e3 * s['simulate_s']:.1f}" for s in r["steps"]]
     cells += [f"{1e3 * r['simulate_full_s']:.1f} ms", f"{r['setup_s']:.2f} s"]
-    print("".join(f"{c:>22}" for c in cells))
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"benchmark": "cost_model", "hardware": HARDWARE,
-                             "tactics": TACTICS, "machine": platform.machine(),
-                             "python": platform.python_version(), "rows": rows}, indent=2) + "\n")
-  print(f"wrote {out}")
+    table.append(cells)
+  print_table(header, table, 22)
+  write_results(args.out, "cost_model", rows, hardware=HARDWARE, tactics=TACTICS)
   return 0
 
 

@@ -11,9 +11,7 @@ Prints a table and writes benchmarks/results/environment.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from agents.mcts import MCTSActor  # noqa: E402
+from benchmarks.reporting import print_table, write_results  # noqa: E402
 from environments import PartitioningEnv, Task, task_context  # noqa: E402
 
 TASKS = (
@@ -82,17 +81,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   rows = [measure(label, task, args.steps, args.simulations) for label, task in TASKS]
   header = ("task", "ops", "actions", "set-up", "steps/s", "cached steps/s", "MCTS sims/s")
-  print("".join(f"{h:>16s}" for h in header))
-  for r in rows:
-    cells = (r["task"], r["ops"], r["actions"], f"{r['setup_s']:.1f} s", f"{r['steps_per_s']:.1f}",
-             f"{r['cached_steps_per_s']:.0f}", f"{r['mcts_simulations_per_s']:.1f}")
-    print("".join(f"{c:>16}" for c in cells))
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"benchmark": "environment", "goal_steps_per_s": 200,
-                             "machine": platform.machine(), "python": platform.python_version(),
-                             "rows": rows}, indent=2) + "\n")
-  print(f"wrote {out}")
+  print_table(header, [(r["task"], r["ops"], r["actions"], f"{r['setup_s']:.1f} s",
+                        f"{r['steps_per_s']:.1f}", f"{r['cached_steps_per_s']:.0f}",
+                        f"{r['mcts_simulations_per_s']:.1f}") for r in rows], 16)
+  write_results(args.out, "environment", rows, goal_steps_per_s=200)
   return 0
 
 

@@ -10,9 +10,7 @@ and stays under 1 ms per 100 ops. Prints a table and writes benchmarks/results/p
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import jax  # noqa: E402
 
 import corpus  # noqa: E402
 import partitioner as P  # noqa: E402
+from benchmarks.reporting import print_table, write_results  # noqa: E402
 
 SCHEDULE = "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=3)"
 
@@ -84,20 +83,13 @@ def main(argv=None) -> int:
   header = ("layers", "ops", "trace ms", "apply ms", "propagate", "ms/100 ops", "visits",
             "plan ms", "lower ms")
   print(f"GPT training step, mesh {MESH}, schedule: {SCHEDULE}")
-  print("  ".join(f"{h:>10s}" for h in header))
-  for r in rows:
-    print("  ".join(f"{v:>10}" for v in (
-        r["layers"], r["ops"], f"{1e3 * r['trace_s']:.0f}", f"{1e3 * r['apply_s']:.0f}",
-        f"{1e3 * r['propagate_s']:.0f}", f"{r['propagate_ms_per_100_ops']:.2f}",
-        r["op_visits"], f"{1e3 * r['plan_s']:.0f}",
-        f"{1e3 * r['lower_s']:.0f}")))
+  print_table(header, [(
+      r["layers"], r["ops"], f"{1e3 * r['trace_s']:.0f}", f"{1e3 * r['apply_s']:.0f}",
+      f"{1e3 * r['propagate_s']:.0f}", f"{r['propagate_ms_per_100_ops']:.2f}",
+      r["op_visits"], f"{1e3 * r['plan_s']:.0f}", f"{1e3 * r['lower_s']:.0f}") for r in rows],
+      10, sep="  ")
   print(f"(first trace of the first model, JAX caches cold: {rows[0]['trace_cold_s']:.2f} s)")
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"benchmark": "partitioner", "mesh": MESH, "schedule": SCHEDULE,
-                             "machine": platform.machine(), "python": platform.python_version(),
-                             "jax": jax.__version__, "rows": rows}, indent=2) + "\n")
-  print(f"wrote {out}")
+  write_results(args.out, "partitioner", rows, mesh=MESH, schedule=SCHEDULE, jax=jax.__version__)
   return 0
 
 

@@ -11,9 +11,7 @@ benchmarks/results/policy.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -21,23 +19,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents.expert import best_expert, evaluate_experts  # noqa: E402
-from agents.learned.actors import make_search_fns  # noqa: E402
 from agents.learned.inference import load_policy, play_policy  # noqa: E402
 from agents.mcts import MCTSActor  # noqa: E402
+from agents.planning import play  # noqa: E402
+from benchmarks.reporting import print_table, write_results  # noqa: E402
 from environments import EnvConfig, PartitioningEnv, Task  # noqa: E402
 
 WITHIN = 1.10
 
 
 def _mcts_ratio(env, budget, expert_time, policy=None) -> float:
-  fns = {} if policy is None else dict(zip(
-      ("prior_fn", "value_fn"), make_search_fns(policy.networks, lambda: policy.params)))
-  plan = MCTSActor(env, budget=budget, **fns).plan(env.clone())
+  """Plain MCTS (heuristic prior), or policy-guided MCTS, from `env`'s start."""
   trial = env.clone()
-  for a in plan.actions:
-    if trial.done:
-      break
-    trial.step(a)
+  if policy is None:
+    play(trial, MCTSActor(env, budget=budget).plan(env.clone()).actions)
+  else:
+    play_policy(trial, policy, "mcts", budget)
   return trial.cost.step_time_s / expert_time
 
 
@@ -68,8 +65,7 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default="benchmarks/results/policy.json")
   args = parser.parse_args(argv)
   policy = load_policy(args.policy)
-  with open(os.path.join(args.policy, "config.json")) as f:
-    config = json.load(f)
+  config = policy.config
   import corpus
   models = config.get("heldout") or [f"{n}:{config.get('preset', 'mini')}"
                                      for n in corpus.split("heldout")]
@@ -79,19 +75,14 @@ def main(argv=None) -> int:
   rows = [measure(t, policy, budgets) for t in tasks]
   fmt = lambda n: "-" if n is None else str(n)
   header = ("model", "greedy ratio", "greedy s", "plain sims", "guided sims")
-  print("".join(f"{h:>14s}" for h in header) + "   ratio at each budget (plain / guided)")
-  for r in rows:
-    cells = (r["model"], f"{r['greedy_ratio']:.3f}", f"{r['greedy_time_s']:.3f}",
-             fmt(r["plain_simulations_to_10pct"]), fmt(r["guided_simulations_to_10pct"]))
-    trail = "  ".join(f"{b}:{r['plain'][b]:.2f}/{r['guided'][b]:.2f}" for b in budgets)
-    print("".join(f"{c:>14}" for c in cells) + "   " + trail)
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"benchmark": "policy", "policy": args.policy,
-                             "policy_version": policy.version, "within": WITHIN,
-                             "machine": platform.machine(), "python": platform.python_version(),
-                             "rows": rows}, indent=2) + "\n")
-  print(f"wrote {out}")
+  print_table(header, [(r["model"], f"{r['greedy_ratio']:.3f}", f"{r['greedy_time_s']:.3f}",
+                        fmt(r["plain_simulations_to_10pct"]),
+                        fmt(r["guided_simulations_to_10pct"])) for r in rows], 14,
+              trail=["   ratio at each budget (plain / guided)"] + [
+                  "   " + "  ".join(f"{b}:{r['plain'][b]:.2f}/{r['guided'][b]:.2f}"
+                                    for b in budgets) for r in rows])
+  write_results(args.out, "policy", rows, policy=args.policy, policy_version=policy.version,
+                within=WITHIN)
   return 0
 
 

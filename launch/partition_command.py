@@ -39,7 +39,7 @@ examples:
   shardzero partition gpt:small --mesh batch=2,model=4 \\
       --tactics "BatchParallel(batch); Megatron(model)" --verify
   shardzero partition mlp:small --mesh batch=8 --tactics "ZeRO(batch, stage=3)" --json -
-  shardzero partition t5:mini --mesh batch=4,model=2 \
+  shardzero partition t5:mini --mesh batch=4,model=2 \\
       --tactics "BatchParallel(batch); Auto(model, agent=mcts, budget=50)"
 """
 

@@ -26,8 +26,13 @@ class TrainedPolicy(NamedTuple):
   networks: Networks
   params: Any
   version: int          # learner updates behind the parameters
-  max_steps: int        # the episode length it was trained for
+  config: dict          # the run's config.json
   run_dir: str
+
+  @property
+  def max_steps(self) -> int:
+    """The episode length it was trained for."""
+    return int(self.config.get("max_steps", 12))
 
 
 def load_policy(run_dir: str) -> TrainedPolicy:
@@ -46,8 +51,7 @@ def load_policy(run_dir: str) -> TrainedPolicy:
   if jax.tree_util.tree_structure(params) != expected:
     raise checkpointing.CheckpointError(
         f"the checkpoint in {run_dir} does not fit the network of its {CONFIG}")
-  return TrainedPolicy(networks, params, int(np.asarray(state[2])),
-                       int(config.get("max_steps", 12)), run_dir)
+  return TrainedPolicy(networks, params, int(np.asarray(state[2])), config, run_dir)
 
 
 def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
@@ -57,6 +61,7 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
   prior and value. Returns (seconds spent deciding and applying, simulations). The first call
   for a size bucket compiles; the timing is taken after a warm-up call."""
   from agents.mcts import MCTSActor
+  from agents.planning import play
   networks, params = policy.networks, policy.params
   greedy = make_policy(networks, evaluation=True)
   observation = env.observation()
@@ -68,10 +73,7 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
     mcts = MCTSActor(env, budget=budget, prior_fn=prior_fn, value_fn=value_fn)
     plan = mcts.plan(env.clone())
     simulations = plan.simulations
-    for a in plan.actions:
-      if env.done:
-        break
-      env.step(a)
+    play(env, plan.actions)
   elif search == "greedy":
     done = env.done
     while not done:
