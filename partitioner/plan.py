@@ -61,9 +61,22 @@ def _record(collectives, steps, vid, op, copy=-1):
       collectives.append(Collective(s.kind, s.axes, s.bytes, vid, op, s.reduce, copy))
 
 
-def _op_plan(state: ShardingState, op) -> OpPlan:
+def _op_plan(state: ShardingState, op, memo: dict) -> OpPlan:
+  """The op's plan, shared by every op of its class whose tensors are laid out alike."""
+  table = state.table
+  entry = table.entries[op.index] or table[op.index]
+  dims, prio = state.dims, state.prio
+  vids = entry.vids
+  key = ("plan", entry.klass, tuple([dims[v] for v in vids]), tuple([prio[v] for v in vids]))
+  plan = memo.get(key)
+  if plan is None:
+    plan = memo[key] = _plan_op(state, op)
+  return plan
+
+
+def _plan_op(state: ShardingState, op) -> OpPlan:
   values, mesh = state.program.values, state.sizes
-  fac, tensors, n_in, _ = state.table[op.index]
+  fac, tensors, n_in = state.table[op.index][:3]
   fac_axes = tuple(state.merge(op.index))
   operand_dims = tuple(_dims(dfs, fac_axes, fac.sizes, mesh) for _, dfs in tensors[:n_in])
   partial, reduce = (), "sum"
@@ -89,8 +102,9 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
   """The plan for `state`; with `base`, the plan of the state it was copied from, only the ops
   that read or write a changed value are planned again."""
   program = state.program
+  memo = state.table.memo(state.mesh)
   if base is None:
-    ops = [_op_plan(state, op) for op in program.ops]
+    ops = [_op_plan(state, op, memo) for op in program.ops]
     communicating = [i for i, p in enumerate(ops) if p.communicates]
   else:
     ops = list(base.ops)
@@ -100,8 +114,9 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
       if values[v].producer is not None:
         todo.add(values[v].producer)
       todo.update(users[v])
+    program_ops = program.ops
     for i in todo:
-      ops[i] = _op_plan(state, program.ops[i])
+      ops[i] = _op_plan(state, program_ops[i], memo)
     communicating = sorted({i for i in base.communicating if i not in todo} |
                            {i for i in todo if ops[i].communicates})
   # Copies and collectives, in program order.

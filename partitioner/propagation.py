@@ -8,14 +8,17 @@ and terminates; a later tactic can refine but never undo an earlier one. Disagre
 recorded as conflicts with the values and axes involved; the lowering then reshards.
 
 Propagation is incremental: it starts from the values a tactic changed and only visits ops that
-those changes reach.
+those changes reach. What an op does to its tensors depends only on its rule, the shapes of its
+tensors and their current shardings, so the outcome of a visit is remembered per op *class*
+(ops alike in all three, e.g. the same matmul in every layer) and replayed: a tactic that shards
+a parameter in every layer computes one layer's worth of rules.
 """
 
 from __future__ import annotations
 
 import collections
 import heapq
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 from partitioner.errors import ShardingError
 from partitioner.factors import REPL, OpFactors, join_dim, split_dim
@@ -25,6 +28,7 @@ from partitioner.rules import op_factors
 from partitioner.sharding import Axes, Dims, Sharding, format_dims
 
 UNSHARDED = 1 << 30  # priority of a value no tactic has reached
+MEMO_LIMIT = 1 << 18  # remembered op outcomes per program and mesh
 
 
 class OpTensors(NamedTuple):
@@ -33,6 +37,14 @@ class OpTensors(NamedTuple):
   num_operands: int
   # Per tensor, the dims that can carry axes: (dim, factors), REPL-only dims left out.
   slots: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+  vids: tuple[int, ...]                   # the value of each tensor
+  klass: int                              # ops of one class have equal rules, shapes, aliasing
+
+
+class Transfer(NamedTuple):
+  """The outcome of visiting an op, by tensor position: conflicts met, then new dims to set."""
+  conflicts: tuple[tuple[int, Axes, int, Axes], ...]   # (kept tensor, axes, dropped tensor, axes)
+  updates: tuple[tuple[int, Dims, Axes], ...]          # (tensor, its new dims, axes it gained)
 
 
 class FactorTable:
@@ -44,6 +56,16 @@ class FactorTable:
     self.fallbacks: dict[int, str] = {}
     self.sizes = [v.size for v in program.values]
     self.producers = [v.producer for v in program.values]
+    self._classes: dict[tuple, int] = {}
+    self._memos: dict[Mesh, dict] = {}
+
+  def memo(self, mesh: Mesh) -> dict:
+    """Per mesh: op outcomes keyed by (op class, shardings of its tensors, ...); emptied when
+    it grows past MEMO_LIMIT entries, so a long search keeps bounded memory."""
+    memo = self._memos.get(mesh)
+    if memo is None or len(memo) > MEMO_LIMIT:
+      memo = self._memos[mesh] = {}
+    return memo
 
   def __getitem__(self, index: int) -> OpTensors:
     entry = self.entries[index]
@@ -56,7 +78,13 @@ class FactorTable:
       slots = tuple(tuple((d, fl) for d, fl in enumerate(dfs)
                           if fl and not (len(fl) == 1 and fac.kinds[fl[0]] == REPL))
                     for _, dfs in tensors)
-      entry = self.entries[index] = OpTensors(fac, tensors, len(op.inputs), slots)
+      vids = tuple(v for v, _ in tensors)
+      values = self.program.values
+      signature = (fac, tuple(vids.index(v) for v in vids),
+                   tuple((values[v].shape, values[v].dtype.itemsize, values[v].is_const)
+                         for v in vids))
+      klass = self._classes.setdefault(signature, len(self._classes))
+      entry = self.entries[index] = OpTensors(fac, tensors, len(op.inputs), slots, vids, klass)
     return entry
 
   def all_fallbacks(self) -> dict[int, str]:
@@ -218,10 +246,11 @@ class ShardingState:
       self.prio[vid] = self.phase
 
   # --------------------------------------------------------------------------- propagation
-  def merge(self, index: int, on_conflict: Callable | None = None) -> list[Axes]:
-    """The op's factor axes agreed from the current shardings of its tensors."""
+  def merge(self, index: int, conflicts: list | None = None) -> list[Axes]:
+    """The op's factor axes agreed from the current shardings of its tensors. Disagreements
+    are appended to `conflicts` as (kept tensor, its axes, dropped tensor, its axes)."""
     table = self.table
-    fac, tensors, _, slots = table.entries[index] or table[index]
+    fac, tensors, _, slots, _, _ = table.entries[index] or table[index]
     sizes_v = table.sizes
     dims, prio = self.dims, self.prio
     fac_axes: list[Axes] = [()] * len(fac.sizes)
@@ -234,8 +263,7 @@ class ShardingState:
     owner = [-1] * len(fac.sizes)
     used: dict[str, int] = {}
     for _, _, k in order:
-      v = tensors[k][0]
-      vdims = dims[v]
+      vdims = dims[tensors[k][0]]
       for d, flist in slots[k]:
         axes = vdims[d]
         if not axes:
@@ -250,8 +278,8 @@ class ShardingState:
           lc = len(cur)
           if lc:
             if ax[:lc] != cur:
-              if on_conflict is not None and cur[: len(ax)] != ax:
-                on_conflict(index, tensors[owner[f]][0], cur, v, ax)
+              if conflicts is not None and cur[: len(ax)] != ax:
+                conflicts.append((owner[f], cur, k, ax))
               continue
             if len(ax) == lc:
               continue
@@ -259,8 +287,8 @@ class ShardingState:
           for a in ax[lc:]:
             g = used.get(a)
             if g is not None and g != f:
-              if on_conflict is not None:
-                on_conflict(index, tensors[owner[g]][0], fac_axes[g], v, ax)
+              if conflicts is not None:
+                conflicts.append((owner[g], fac_axes[g], k, ax))
               break
             used[a] = f
             new += (a,)
@@ -269,79 +297,96 @@ class ShardingState:
             owner[f] = k
     return fac_axes
 
-  def _record_conflict(self, tactic: int):
-    def record(index, kept_v, kept_axes, dropped_v, dropped_axes):
-      key = (index, kept_v, kept_axes, dropped_v, dropped_axes)
-      if key in self._conflict_keys:
-        return
-      self._conflict_keys.add(key)
-      p = self.program
-      self.conflicts.append(Conflict(
-          index, p.ops[index].name, f"{p.name(kept_v)} on {'+'.join(kept_axes)}",
-          f"{p.name(dropped_v)} on {'+'.join(dropped_axes)}", tactic))
-    return record
-
-  def propagate(self, seeds: Sequence[int], tactic: int) -> int:
-    """Spreads the shardings of `seeds` to a fixed point; returns the number of op visits."""
-    program, table = self.program, self.table
-    users, producers = program.users, table.producers
-    entries, merge = table.entries, self.merge
-    mesh = self.sizes
-    dims, forbidden = self.dims, self.forbidden
-    queue: list[int] = []
-    queued: set[int] = set()
-    heappush = heapq.heappush
-
-    def push(vid, skip=-1):
-      for u in users[vid]:
-        if u != skip and u not in queued:
-          queued.add(u)
-          heappush(queue, u)
-      p = producers[vid]
-      if p is not None and p != skip and p not in queued:
-        queued.add(p)
-        heappush(queue, p)
-
-    for vid in seeds:
-      push(vid)
-    on_conflict = self._record_conflict(tactic)
-    visits = 0
-    while queue:
-      index = heapq.heappop(queue)
-      queued.discard(index)
-      visits += 1
-      fac, tensors, _, slots = entries[index] or table[index]
-      fac_axes = merge(index, on_conflict)
-      if not any(fac_axes):
-        continue
-      for k, (v, _) in enumerate(tensors):
-        vdims = dims[v]
-        new = None
+  def _transfer(self, index: int) -> Transfer:
+    """Visits op `index` without changing the state: merge, then project the agreed factor axes
+    back onto each tensor where they refine it (and no axis is forbidden or used twice)."""
+    fac, tensors, _, slots, vids, _ = self.table[index]
+    conflicts: list = []
+    fac_axes = self.merge(index, conflicts)
+    updates = []
+    if any(fac_axes):
+      now = {v: self.dims[v] for v in vids}     # a value read twice sees its first update
+      for k, v in enumerate(vids):
+        vdims, new, gained = now[v], None, ()
+        forb = self.forbidden.get(v)
         for d, flist in slots[k]:
-          proj = fac_axes[flist[0]] if len(flist) == 1 else join_dim(flist, fac_axes, fac.sizes, mesh)
+          proj = (fac_axes[flist[0]] if len(flist) == 1 else
+                  join_dim(flist, fac_axes, fac.sizes, self.sizes))
           if not proj:
             continue
           cur = vdims[d] if new is None else new[d]
           lc = len(cur)
           if len(proj) <= lc or proj[:lc] != cur:
             continue
-          forb = forbidden.get(v)
           add: Axes = ()
           for a in proj[lc:]:
             if (forb is not None and a in forb) or any(a in dd for dd in (new or vdims)):
               break
             add += (a,)
-          if not add:
-            continue
-          if new is None:
-            new = list(vdims)
-          new[d] = cur + add
-          for a in add:
-            self.origin[(v, a)] = Origin(tactic, index)
+          if add:
+            new = new or list(vdims)
+            new[d] = cur + add
+            gained += add
         if new is not None:
-          dims[v] = tuple(new)
-          self.changed.add(v)
-          if self.phase < self.prio[v]:
-            self.prio[v] = self.phase
-          push(v, skip=index)
+          now[v] = tuple(new)
+          updates.append((k, now[v], gained))
+    return Transfer(tuple(conflicts), tuple(updates))
+
+  def _record_conflicts(self, index: int, vids, found, tactic: int) -> None:
+    p = self.program
+    for kept, kept_axes, dropped, dropped_axes in found:
+      key = (index, vids[kept], kept_axes, vids[dropped], dropped_axes)
+      if key in self._conflict_keys:
+        continue
+      self._conflict_keys.add(key)
+      self.conflicts.append(Conflict(
+          index, p.ops[index].name, f"{p.name(vids[kept])} on {'+'.join(kept_axes)}",
+          f"{p.name(vids[dropped])} on {'+'.join(dropped_axes)}", tactic))
+
+  def propagate(self, seeds: Sequence[int], tactic: int) -> int:
+    """Spreads the shardings of `seeds` to a fixed point; returns the number of op visits."""
+    program, table = self.program, self.table
+    users, producers = program.users, table.producers
+    entries = table.entries
+    memo = table.memo(self.mesh)
+    dims, prio, forbidden, origin, changed = (self.dims, self.prio, self.forbidden, self.origin,
+                                             self.changed)
+    phase = self.phase
+    queue: list[int] = []
+    queued = bytearray(len(program.ops))
+    heappush, heappop = heapq.heappush, heapq.heappop
+    for vid in seeds:
+      for u in (*users[vid], producers[vid]):
+        if u is not None and not queued[u]:
+          queued[u] = 1
+          heappush(queue, u)
+    visits = 0
+    while queue:
+      index = heappop(queue)
+      queued[index] = 0
+      visits += 1
+      entry = entries[index] or table[index]
+      vids = entry.vids
+      key = (entry.klass, tuple([dims[v] for v in vids]), tuple([prio[v] for v in vids]),
+             tuple([forbidden.get(v) for v in vids]) if forbidden else None)
+      transfer = memo.get(key)
+      if transfer is None:
+        transfer = memo[key] = self._transfer(index)
+      if transfer.conflicts:
+        self._record_conflicts(index, vids, transfer.conflicts, tactic)
+      if not transfer.updates:
+        continue
+      why = tuple.__new__(Origin, (tactic, index))
+      for k, new, gained in transfer.updates:
+        v = vids[k]
+        dims[v] = new
+        changed.add(v)
+        for a in gained:
+          origin[(v, a)] = why
+        if phase < prio[v]:
+          prio[v] = phase
+        for u in (*users[v], producers[v]):   # every op touching v, but this one, again
+          if u is not None and u != index and not queued[u]:
+            queued[u] = 1
+            heappush(queue, u)
     return visits

@@ -193,7 +193,7 @@ def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
     for u in users[vid]:
       if u not in forward:
         continue
-      fac, tensors, n_in, _ = table[u]
+      fac, tensors, n_in = table[u][:3]
       for k in range(n_in):
         if tensors[k][0] != vid:
           continue

@@ -6,6 +6,7 @@ import pytest
 
 import partitioner as P
 from partitioner.errors import MeshError, PatternError, ShardingError
+from partitioner.propagation import factor_table
 
 
 def rand(*shape):
@@ -106,3 +107,29 @@ def test_state_copies_are_independent():
   assert right.sharding("w1").dims == (("b",), ())
   assert base.sharding("w1").dims == ((), ())
   assert len(left.schedule) == len(right.schedule) == 2
+
+
+def two_layers(x, w1, w2):
+  return jnp.tanh(jnp.tanh(x @ w1) @ w2)
+
+
+LAYER_ARGS = (rand(8, 16), rand(16, 16), rand(16, 16))
+
+
+def test_ops_alike_share_remembered_outcomes_that_name_their_own_values():
+  program = P.trace(two_layers, *LAYER_ARGS)
+  table = factor_table(program)
+  dots = [op.index for op in program.ops if op.name == "dot_general"]
+  forward = dots   # x @ w1 and h @ w2: one class, the outcome of one is replayed for both
+  assert table[forward[0]].klass == table[forward[1]].klass
+  P.apply(program, "a=2,b=2", "Tile(w2, 1, b); Tile(x, 1, a)")   # warms the memo
+  schedule = "Tile(x, 0, a); Tile(w1, 0, a); Tile(w2, 0, a); Tile(w1, 1, b)"
+  warm = P.apply(program, "a=2,b=2", schedule)
+  cold = P.apply(P.trace(two_layers, *LAYER_ARGS), "a=2,b=2", schedule)
+  assert warm.state.dims == cold.state.dims
+  assert warm.state.origin == cold.state.origin
+  assert warm.conflicts == cold.conflicts
+  assert warm.collectives == cold.collectives
+  # Each weight's conflict with the batch axis is reported at its own matmul.
+  dropped = {c.dropped for c in warm.conflicts if c.op in forward}
+  assert dropped == {"w1 on a", "w2 on a"}
