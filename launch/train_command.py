@@ -26,7 +26,10 @@ policy on the held-out split and logs its step time over the best expert strateg
 Algorithms:
   ppo        clipped-surrogate PPO with GAE on sequences (a queue: on-policy)
   alphazero  MCTS with the network's prior and value at every step; the learner fits the visit
-             distributions and returns (uniform replay with a sample-to-insert rate limiter)
+             distributions and returns (uniform replay with a sample-to-insert rate limiter).
+             Expert demonstrations: --set pretrain_steps=N clones the corpus' best expert
+             strategies on the train split for the first N updates; --set demonstrations=F
+             has actors replay the best expert in that share of their episodes.
 
 Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
 Ctrl-C or the death of any process stops all of them (the one that died is named); the

@@ -159,8 +159,24 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   networks = builder.make_networks()
   params = builder.init_params(networks, config.seed)
   logger = CSVLogger(os.path.join(run_dir, "logs"), "learner")
-  learner = builder.make_learner(networks, params, builder.make_dataset_iterator(client),
-                                 counter=Counter(), logger=logger)
+  replay = builder.make_dataset_iterator(client)
+  pretrain = getattr(builder.config, "pretrain_steps", 0)
+
+  def batches():
+    """Behaviour cloning of the experts' demonstrations up to update `pretrain_steps` (also
+    after a resume), then what the actors write."""
+    if learner.version < pretrain:
+      from agents.learned.demonstrations import demonstration_batches, expert_demonstrations
+      items = expert_demonstrations(config.train_tasks().tasks(), builder.sizes,
+                                    config.env_config(), log=lambda m: print(m, flush=True))
+      demos = demonstration_batches(items, builder.config.batch_size, config.seed)
+      while learner.version < pretrain:
+        batch = next(demos)
+        batch["version"] = np.full_like(batch["version"], learner.version)  # no policy lag
+        yield batch
+    yield from replay
+
+  learner = builder.make_learner(networks, params, batches(), counter=Counter(), logger=logger)
   path = os.path.join(run_dir, checkpointing.FILENAME)
   if resume and os.path.exists(path):
     learner.restore(checkpointing.load(path)["learner"])

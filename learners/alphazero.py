@@ -30,6 +30,8 @@ class AlphaZeroConfig:
   simulations: int = 16            # MCTS simulations per move
   temperature: float = 1.0         # actors sample moves from visits^(1/temperature)
   prior_mix: float = 0.25          # actors search with this share of the heuristic prior
+  demonstrations: float = 0.0      # share of actor episodes that replay the best expert
+  pretrain_steps: int = 0          # first updates clone the experts of the train split
   replay_size: int = 2000
   samples_per_insert: float = 4.0  # how often each step is used, on average
   min_replay_size: int = 32

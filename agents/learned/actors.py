@@ -16,6 +16,7 @@ import numpy as np
 
 from agents.adders import Adder
 from agents.core import Actor
+from agents.learned.demonstrations import expert_moves
 from agents.learned.networks import Networks
 from agents.learned.variable_client import VariableClient
 from agents.mcts import MCTSActor, heuristic_prior
@@ -107,12 +108,21 @@ class PolicyActor(_AdderActor):
 class AlphaZeroActor(_AdderActor):
   """MCTS with the network's prior and value at every step of `environment` (the environment
   the loop steps). The search target is the root's visit distribution; when the best state the
-  search saw is the current one, the target and the move are finish."""
+  search saw is the current one, the target and the move are finish.
+
+  With `demonstrations` > 0, that share of episodes replays the corpus' best expert strategy
+  for the task instead (then finish), each move's target one-hot on the expert's action: the
+  learning-from-demonstrations of Acme's LfD agents, through the same replay. Only experts
+  that beat the starting state are demonstrated."""
 
   def __init__(self, environment, networks: Networks, variable_client: VariableClient,
                adder: Optional[Adder] = None, simulations: int = 16, temperature: float = 1.0,
-               prior_mix: float = 0.0, evaluation: bool = False, seed: int = 0):
+               prior_mix: float = 0.0, evaluation: bool = False, seed: int = 0,
+               demonstrations: float = 0.0):
     self._env = environment
+    self._demonstrations = demonstrations
+    self._demo: list[int] = []
+    self.demonstrated = 0       # episodes that replayed an expert
     self._client = variable_client
     self._adder = adder
     self._temperature = temperature
@@ -127,6 +137,12 @@ class AlphaZeroActor(_AdderActor):
   def select_action(self, observation) -> int:
     if self._client.params is None:
       self._client.update_and_wait()
+    if self._demo:
+      action = self._demo.pop(0)
+      visits = np.zeros(observation["action_mask"].shape[0], np.float32)
+      visits[action] = 1.0
+      self._extras = {"visits": visits, "version": np.int64(self._client.version)}
+      return action
     env = self._env.clone()
     root, best, best_score, sims = self._mcts.search(env)
     self.simulations += sims
@@ -147,4 +163,8 @@ class AlphaZeroActor(_AdderActor):
 
   def observe_first(self, timestep):
     self.simulations = 0
+    self._demo = []
+    if self._demonstrations and self._rng.random() < self._demonstrations:
+      self._demo = expert_moves(self._env)
+      self.demonstrated += bool(self._demo)
     super().observe_first(timestep)

@@ -186,7 +186,8 @@ class AlphaZeroBuilder(Builder):
     return AlphaZeroActor(environment, networks, VariableClient(variable_source, update_period),
                           adder, simulations=c.simulations, temperature=c.temperature,
                           prior_mix=0.0 if evaluation else c.prior_mix,
-                          evaluation=evaluation, seed=seed)
+                          evaluation=evaluation, seed=seed,
+                          demonstrations=0.0 if evaluation else c.demonstrations)
 
   def loss(self, networks):
     return alphazero_loss(networks, self.config)

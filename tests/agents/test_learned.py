@@ -10,6 +10,7 @@ import reverb
 import tree
 
 from agents.environment_loop import EnvironmentLoop
+from agents.expert import best_expert, evaluate_experts
 from agents.learned.builders import AlphaZeroBuilder, PPOBuilder
 from agents.learned.networks import MASKED, make_networks
 from agents.learned.variable_client import (LearnerVariableSource, ReverbVariableSource,
@@ -118,6 +119,37 @@ def test_return_adder_records_returns_to_go_and_visits(env):
     sample = tree.unflatten_as(template, list(items[0].data))
     assert np.isclose(sample["visits"].sum(), 1.0) and int(sample["version"]) == 3
     assert np.all(sample["visits"][~sample["observation"]["action_mask"]] == 0)
+  finally:
+    server.stop()
+
+
+def test_demonstration_episodes_replay_the_best_expert_with_one_hot_targets(env):
+  # A loose rate limiter: the whole demonstration is written before anything is sampled.
+  builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, min_replay_size=1, batch_size=8,
+                                             samples_per_insert=1.0, demonstrations=1.0), SIZES)
+  server, client = _server(builder)
+  try:
+    _, _, actor = _actor(builder, env, client)
+    ts = env.reset()                # the environment the actor was built on
+    best = best_expert(evaluate_experts(env))
+    assert best.score > 0
+    actor.observe_first(ts)
+    taken = []
+    while not ts.last():
+      a = actor.select_action(ts.observation)
+      ts = env.step(a)
+      actor.observe(a, ts)
+      taken.append(a)
+    assert taken == [*best.actions, env.finish_action]
+    assert actor.demonstrated == 1 and actor.simulations == 0
+    assert np.isclose(env.cost.step_time_s, best.cost.step_time_s)
+    template = builder.item_template()
+    targets = set()
+    for _ in range(12):
+      sample = tree.unflatten_as(template, list(next(client.sample("trajectories", emit_timesteps=False)).data))
+      assert sample["visits"].max() == 1.0 and sample["visits"].sum() == 1.0
+      targets.add(int(np.argmax(sample["visits"])))
+    assert targets <= set(taken)
   finally:
     server.stop()
 

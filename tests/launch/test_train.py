@@ -136,3 +136,36 @@ def test_train_rejects_bad_input(capsys, tmp_path):
   assert code == 2 and "--resume" in err
   code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "c"), "--role", "learner")
   assert code == 2 and "--reverb" in err
+
+
+def test_learner_pretrains_by_cloning_the_expert(tmp_path):
+  """Pretraining updates clone the best expert's demonstrations (no actor needed): afterwards
+  the greedy policy plays the expert's schedule."""
+  import dataclasses
+  import signal
+  from agents.learned.demonstrations import expert_moves
+  from agents.learned.inference import load_policy, play_policy
+  from environments import PartitioningEnv, Task
+  from launch.training import run_learner
+  steps = 150
+  config = dataclasses.replace(CONFIG, algorithm="alphazero", steps=steps, settings={
+      "batch_size": 4, "pretrain_steps": steps, "learning_rate": 3e-3})
+  config.save(str(tmp_path))
+  server = reverb.Server(config.builder().make_replay_tables())
+  handler = signal.getsignal(signal.SIGTERM)
+  try:
+    assert run_learner(config, str(tmp_path), f"localhost:{server.port}") == steps
+  finally:
+    signal.signal(signal.SIGTERM, handler)
+    server.stop()
+  learner = _rows(tmp_path / "logs" / "learner.csv")
+  assert len(learner) == steps and all(float(r["policy_lag"]) == 0 for r in learner)
+  assert float(learner[-1]["policy_loss"]) < 0.5 * float(learner[0]["policy_loss"])
+  task = Task("mlp:mini", "batch=4,model=2")
+  expert = PartitioningEnv(task, config=config.env_config())
+  expert.reset()
+  moves = expert_moves(expert)
+  env = PartitioningEnv(task, config=config.env_config())
+  env.reset()
+  play_policy(env, load_policy(str(tmp_path)), "greedy")
+  assert list(env.history) == moves
