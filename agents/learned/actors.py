@@ -121,8 +121,7 @@ class AlphaZeroActor(_AdderActor):
                demonstrations: float = 0.0):
     self._env = environment
     self._demonstrations = demonstrations
-    self._demo: list[int] = []
-    self.demonstrated = 0       # episodes that replayed an expert
+    self._demo: list[int] = []   # the rest of the expert's moves in a demonstration episode
     self._client = variable_client
     self._adder = adder
     self._temperature = temperature
@@ -166,5 +165,4 @@ class AlphaZeroActor(_AdderActor):
     self._demo = []
     if self._demonstrations and self._rng.random() < self._demonstrations:
       self._demo = expert_moves(self._env)
-      self.demonstrated += bool(self._demo)
     super().observe_first(timestep)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
 
 from partitioner.errors import ShardzeroError
@@ -23,7 +24,7 @@ def expert_moves(env) -> list[int]:
     best = best_expert(evaluate_experts(env))
   except ShardzeroError:
     return []
-  if best is None or not best.actions or best.score is None or best.score <= 0:
+  if best is None or not best.actions or best.score <= 0:
     return []
   return [*best.actions, env.finish_action]
 
@@ -59,7 +60,6 @@ def expert_demonstrations(tasks: Sequence, sizes, env_config, log=print) -> list
 def demonstration_batches(items: Sequence[dict], batch_size: int,
                           seed: int = 0) -> Iterator[dict]:
   """Endless batches of `batch_size` items drawn uniformly, stacked like replay samples."""
-  import jax
   rng = np.random.default_rng(seed)
   while True:
     chosen = [items[i] for i in rng.integers(len(items), size=batch_size)]
