@@ -13,9 +13,10 @@ gathered again for the backward, and activations are kept in their own (smaller)
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
-from partitioner.collectives import SLICE, Collective, Step, reshard_steps
+from partitioner.collectives import ALL_REDUCE, SLICE, Collective, Step, reshard_steps
 from partitioner.factors import REDUCE_OF_KIND, join_dim
 from partitioner.propagation import ShardingState
 from partitioner.roles import forward_ops
@@ -28,6 +29,8 @@ class OpPlan(NamedTuple):
   result: tuple[Sharding, ...]            # what the local op produces (maybe partial)
   operand_steps: tuple[tuple[Step, ...], ...]
   result_steps: tuple[tuple[Step, ...], ...]
+  pieces: tuple[int, ...]                 # per operand then result: into how many local pieces
+  split: int                              # into how many pieces the iteration space is cut
 
   @property
   def communicates(self) -> bool:
@@ -42,12 +45,21 @@ class Copy(NamedTuple):
   last: int
 
 
+class Staged(NamedTuple):
+  """A local result resharded out of place (not by an all-reduce alone): it has a buffer of its
+  own while op `op` runs."""
+  op: int
+  value: int
+  dims: Dims
+
+
 class Plan(NamedTuple):
   ops: list[OpPlan]
   collectives: list[Collective]
   copies: list[Copy]
   copy_of: dict[tuple[int, int], int]     # (op, operand position) -> the copy it reads
   communicating: list[int]                # ops with operand or result steps, in order
+  staged: list[Staged]
 
 
 def _dims(dfs, fac_axes, fsizes, mesh) -> Dims:
@@ -95,7 +107,12 @@ def _plan_op(state: ShardingState, op) -> OpPlan:
       reshard_steps(values[vid].shape, values[vid].dtype.itemsize, local.dims, local.partial,
                     local.reduce, state.dims[vid], mesh)
       for vid, local in zip(op.outputs, results))
-  return OpPlan(fac_axes, operand_dims, results, tuple(operand_steps), result_steps)
+  count = lambda axes: math.prod(mesh[a] for a in axes)
+  pieces = tuple(math.prod(count(d) for d in dims)
+                 for dims in operand_dims + tuple(r.dims for r in results))
+  split = pieces[n_in] * count(results[0].partial) if results else 1
+  return OpPlan(fac_axes, operand_dims, results, tuple(operand_steps), result_steps, pieces,
+                split)
 
 
 def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
@@ -123,6 +140,7 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
   collectives: list[Collective] = []
   copies: list[Copy] = []
   copy_of: dict = {}
+  staged: list[Staged] = []
   made: dict = {}           # (value, layout, in forward pass) -> copy
   forward = forward_ops(program)
   for i in communicating:
@@ -139,6 +157,8 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
         else:
           copies[c] = copies[c]._replace(last=i)
         copy_of[(i, k)] = c
-    for vid, steps in zip(op.outputs, op_plan.result_steps):
+    for vid, local, steps in zip(op.outputs, op_plan.result, op_plan.result_steps):
       _record(collectives, steps, vid, i)
-  return Plan(ops, collectives, copies, copy_of, communicating)
+      if any(s.kind != ALL_REDUCE for s in steps):
+        staged.append(Staged(i, vid, local.dims))
+  return Plan(ops, collectives, copies, copy_of, communicating, staged)

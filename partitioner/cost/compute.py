@@ -110,6 +110,7 @@ class ProgramWork:
     self.groups = current + 1
     # Arrays for the costs of ops that read and write their values as they are laid out.
     self.global_flops = np.array([w.flops for w in self.work])
+    self.work_tensor = [w.work_tensor for w in self.work]
     self.value_bytes = np.array([v.nbytes for v in program.values], np.float64)
     self.is_const = np.array([v.is_const for v in program.values], bool)
     self.work_value = np.array([_work_value(op, w) for op, w in zip(ops, self.work)], np.int64)
@@ -230,15 +231,22 @@ class Divisors:
 
   def values(self, dims: list, base: np.ndarray | None = None, changed=()) -> np.ndarray:
     """Per value; from `base` (the divisors before) updating only the `changed` values."""
-    known, of = self._by_dims.get, self.of
     if base is None:
-      out = np.array([known(d) or of(d) for d in dims], np.float64)
+      out = np.array(self._lookup(dims), np.float64)
       out[self.is_const] = 1
       return out
     out = base.copy()
-    changed = np.fromiter(changed, np.int64, len(changed))
-    out[changed] = [known(dims[v]) or of(dims[v]) for v in changed.tolist()]
-    out[changed[self.is_const[changed]]] = 1
+    if changed:
+      changed = np.fromiter(changed, np.int64, len(changed))
+      out[changed] = self._lookup([dims[v] for v in changed.tolist()])
+      out[changed[self.is_const[changed]]] = 1
+    return out
+
+  def _lookup(self, dims: list) -> list[int]:
+    """Divisors of layouts, the known ones looked up in bulk."""
+    out = list(map(self._by_dims.get, dims))
+    if None in out:
+      out = [n or self.of(d) for n, d in zip(out, dims)]
     return out
 
 

@@ -82,38 +82,25 @@ class ProgramLiveness:
                                 np.where(is_output[self.buffers], 1, 2)).astype(np.int8)
     self.outputs = np.array(program.outputs, np.int64)
     self.value_bytes = work.value_bytes
+    self.value_nbytes = np.array([v.nbytes for v in program.values], np.int64)
 
 
-def memory(pp, live: ProgramLiveness, divisors: np.ndarray, pieces, issue: list[int],
+def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
            capacity: int) -> MemoryReport:
-  """`divisors`: per value, into how many pieces it is cut; `pieces(dims)`: the same for a
-  layout; `issue`: per resharded copy, the op before which it is made."""
-  program, plan = pp.program, pp.plan
-  values = program.values
-
-  def local(vid, dims):
-    return values[vid].nbytes // pieces(dims)
-
+  """`divisors`: per value, into how many pieces it is cut; `copies`: per resharded copy, arrays
+  (value, pieces, op before which it is made, last reader); `staged`: per result resharded out
+  of place, arrays (op, value, pieces)."""
   per_value = np.floor(live.value_bytes / divisors)
-  # Resharded copies, and partial results being resharded other than in place.
-  starts, ends, nbytes, cats = [], [], [], []
-  for c, a in zip(plan.copies, issue):
-    starts.append(a)
-    ends.append(c.last)
-    nbytes.append(local(c.value, c.dims))
-    cats.append(int(live.category[c.value]) if live.category[c.value] < 2 else 4)
-  for i in plan.communicating:
-    op, op_plan = program.ops[i], plan.ops[i]
-    for vid, res, steps in zip(op.outputs, op_plan.result, op_plan.result_steps):
-      if any(st.kind != "all-reduce" for st in steps):  # an all-reduce runs in place
-        starts.append(i)
-        ends.append(i)
-        nbytes.append(local(vid, res.dims))
-        cats.append(4)
-  starts = np.concatenate([live.start, np.array(starts, np.int64)])
-  ends = np.concatenate([live.end, np.array(ends, np.int64)])
-  nbytes = np.concatenate([per_value[live.buffers], np.array(nbytes, np.float64)])
-  cats = np.concatenate([live.buffer_category, np.array(cats, np.int8)])
+  copy_value, copy_pieces, copy_start, copy_end = copies
+  staged_op, staged_value, staged_pieces = staged
+  copy_category = live.category[copy_value]
+  starts = np.concatenate([live.start, copy_start, staged_op])
+  ends = np.concatenate([live.end, copy_end, staged_op])
+  nbytes = np.concatenate([per_value[live.buffers],
+                           live.value_nbytes[copy_value] // copy_pieces,
+                           live.value_nbytes[staged_value] // staged_pieces]).astype(np.float64)
+  cats = np.concatenate([live.buffer_category, np.where(copy_category < 2, copy_category, 4),
+                         np.full(len(staged_op), 4, np.int8)])
   kinds = np.concatenate([live.buffer_kind, np.full(len(ends) - len(live.end), 2, np.int8)])
   n = live.n_ops + 2
 

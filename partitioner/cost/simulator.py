@@ -6,13 +6,13 @@ Hardware without async collectives (the host CPU) runs them in line.
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import functools
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from partitioner.cost.communication import collective_time
+from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.compute import _EFF, Divisors, ProgramWork
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.memory import MemoryReport, ProgramLiveness, memory
@@ -30,7 +30,8 @@ class CollectiveCost(NamedTuple):
   op: int
 
 
-class CostReport(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class CostReport:
   hardware: str
   step_time_s: float
   compute_s: float
@@ -38,9 +39,16 @@ class CostReport(NamedTuple):
   exposed_comm_s: float     # the part compute waited for
   flops: float              # per device
   hbm_bytes: float          # per device, at fused-kernel boundaries
-  collectives: list[CollectiveCost]
   memory: MemoryReport
   placement: dict           # mesh axis -> "intra", "inter" or "both"
+  # The plan's collectives, their times and exposed seconds; `collectives` pairs them up when
+  # read (a search reads the totals only).
+  timed_collectives: tuple = dataclasses.field(default=((), (), ()), repr=False)
+
+  @functools.cached_property
+  def collectives(self) -> list[CollectiveCost]:
+    return [CollectiveCost(c.kind, c.axes, c.bytes, t.seconds, e, t.decomposition, c.value, c.op)
+            for c, t, e in zip(*self.timed_collectives)]
 
   @property
   def fits(self) -> bool:
@@ -77,12 +85,36 @@ class _Derived(NamedTuple):
   divisors: np.ndarray                    # per value: into how many pieces it is cut
 
 
+class _PlanArrays(NamedTuple):
+  """The plan's copies, their readers, out-of-place results and collectives, as arrays."""
+  copy_value: np.ndarray      # per resharded copy
+  copy_pieces: np.ndarray
+  copy_issue: np.ndarray      # the op before which it is made
+  copy_last: np.ndarray       # its last reader
+  read_op: np.ndarray         # per (op, operand) read through a copy
+  read_copy: np.ndarray
+  staged_op: np.ndarray       # per result resharded out of place
+  staged_value: np.ndarray
+  staged_pieces: np.ndarray
+  value: np.ndarray           # per collective
+  op: np.ndarray
+  copy: np.ndarray
+
+
+def _ints(xs) -> np.ndarray:
+  return np.array(xs, np.int64).reshape(-1)
+
+
+_NEVER = np.iinfo(np.int64).max
+
+
 class Simulator:
   """Simulates the partitioned versions of one program on one hardware and device layout.
 
   What does not depend on the sharding is computed once; op costs are computed with arrays,
   and a program derived by one more tactic (`pp.parent`) updates its parent's per-value
-  layouts and plan rather than recomputing them. Compute runs fused kernels in program order;
+  layouts and plan rather than recomputing them; the schedule and the memory profile are
+  array passes over the plan (a changed collective moves every later time). Compute runs fused kernels in program order;
   collectives run in the order they become ready on one network stream (async, as XLA's
   latency-hiding scheduler issues them) and a kernel that needs a collective's result waits
   for it. A resharded operand copy is prefetched while the previous copy's first reader runs
@@ -98,6 +130,11 @@ class Simulator:
     self.liveness = ProgramLiveness(program, work, donate)
     self.divisors = Divisors(program, mesh.sizes)
     self.rate = np.array([hw.flops(w.dtype) * hw.efficiency[_EFF[w.kind]] for w in work.work])
+    # Per value: the first place in the run order where an op reads it.
+    self.first_read = np.full(len(program.values), _NEVER, np.int64)
+    for v, readers in enumerate(program.users):
+      if readers:
+        self.first_read[v] = min(int(work.group[u]) for u in readers)
     self._collective_cache: dict = {}
 
   def collective(self, kind, nbytes, axes):
@@ -109,13 +146,39 @@ class Simulator:
                                                           self.hardware)
     return out
 
-  def costs(self, pp) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def times(self, collectives) -> list[CollectiveTime]:
+    """Time and decomposition of each collective, looked up in bulk."""
+    keys = [(c.kind, c.bytes, c.axes) for c in collectives]
+    out = list(map(self._collective_cache.get, keys))
+    if None in out:
+      out = [t or self.collective(*key) for t, key in zip(out, keys)]
+    return out
+
+  def arrays(self, plan) -> _PlanArrays:
+    """The plan as arrays, so that costs, schedule and memory are computed without a Python
+    loop over its collectives and copies."""
+    pieces, producer = self.divisors.of, self.work.producer
+    value, dims, first, last = zip(*plan.copies) if plan.copies else ((),) * 4
+    value, first = _ints(value), _ints(first)
+    # A copy is made once its value exists and the previous copy is being read.
+    issue = np.maximum(producer[value] + 1, np.concatenate([[0], first[:-1]]))
+    reads = _ints(list(plan.copy_of)).reshape(-1, 2)[:, 0]
+    staged = tuple(zip(*plan.staged)) if plan.staged else ((),) * 3
+    coll = tuple(zip(*plan.collectives)) if plan.collectives else ((),) * 7
+    return _PlanArrays(value, _ints([pieces(d) for d in dims]), issue, _ints(last), reads,
+                       _ints(list(plan.copy_of.values())), _ints(staged[0]), _ints(staged[1]),
+                       _ints([pieces(d) for d in staged[2]]), _ints(coll[3]), _ints(coll[4]),
+                       _ints(coll[6]))
+
+  def costs(self, pp, arrays: _PlanArrays | None = None) -> tuple[np.ndarray, np.ndarray,
+                                                                  np.ndarray]:
     """Per value: pieces; per op: local FLOPs and local HBM bytes at fused-kernel boundaries.
 
     Every op is first costed as if it read and wrote its values as laid out; ops that reshard
     are then corrected from their plan: operands read through a resharded copy, results made
     in another layout, and work split over partial (reduced) axes."""
     work, plan, dims, program = self.work, pp.plan, pp.state.dims, self.program
+    a = arrays if arrays is not None else self.arrays(plan)
     parent = pp.parent
     base = parent.derived.get(self) if parent is not None else None
     if base is None:
@@ -127,87 +190,68 @@ class Simulator:
     local = work.value_bytes / divisors
     nbytes = (np.bincount(work.read_op, local[work.read_value], minlength=n) +
               np.bincount(work.write_op, local[work.write_value], minlength=n))
-    pieces, count, internal = self.divisors.of, self.divisors.count, work.internal
-    for (i, k), c in plan.copy_of.items():
-      v = program.ops[i].inputs[k]
-      if not internal[v]:
-        nbytes[i] += work.value_bytes[v] / pieces(plan.ops[i].operand_dims[k]) - local[v]
-    for i in plan.communicating:
-      w = work.work[i]
-      if w.flops:
-        op, op_plan = program.ops[i], plan.ops[i]
-        t = w.work_tensor
-        if t < 0:
-          res = op_plan.result[0]
-          shard[i] = pieces(res.dims) * (count(res.partial) if res.partial else 1)
-        elif t < len(op.inputs):
-          shard[i] = pieces(op_plan.operand_dims[t])
-        else:
-          shard[i] = pieces(op_plan.result[t - len(op.inputs)].dims)
+    v = a.copy_value[a.read_copy]
+    nbytes += np.bincount(a.read_op, np.where(work.internal[v], 0.0, work.value_bytes[v] /
+                                              a.copy_pieces[a.read_copy] - local[v]),
+                          minlength=n)
+    plan_ops, tensor = plan.ops, work.work_tensor
+    communicating = _ints(plan.communicating)
+    for i in communicating[work.global_flops[communicating] > 0].tolist():
+      t = tensor[i]
+      shard[i] = plan_ops[i].split if t < 0 else plan_ops[i].pieces[t]
     pp.derived[self] = _Derived(divisors)
     return divisors, work.global_flops / shard, nbytes
 
   def __call__(self, pp) -> CostReport:
     hw, work = self.hardware, self.work
-    divisors, flops, nbytes = self.costs(pp)
+    a = self.arrays(pp.plan)
+    divisors, flops, nbytes = self.costs(pp, a)
     compute = np.bincount(work.group, flops / self.rate, minlength=work.groups)
     memory_s = np.bincount(work.group, nbytes, minlength=work.groups) / (
         hw.hbm_bandwidth * hw.efficiency["memory"])
     kernels = np.maximum(compute, memory_s)
-    timed = [self.collective(c.kind, c.bytes, c.axes) for c in pp.collectives]
+    timed = self.times(pp.collectives)
     durations = [t.seconds for t in timed]
-    issue = self._copy_issue(pp)
-    exposed = self._schedule(pp, durations, kernels, issue)
+    exposed = self._schedule(a, durations, kernels)
     compute_s = float(kernels.sum())
-    costs = [CollectiveCost(c.kind, c.axes, c.bytes, t.seconds, e, t.decomposition, c.value, c.op)
-             for c, t, e in zip(pp.collectives, timed, exposed)]
-    mem = memory(pp, self.liveness, divisors, self.divisors.of, issue, hw.hbm_bytes)
+    mem = memory(self.liveness, divisors, (a.copy_value, a.copy_pieces, a.copy_issue, a.copy_last),
+                 (a.staged_op, a.staged_value, a.staged_pieces), hw.hbm_bytes)
     return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s, float(sum(durations)),
-                      float(sum(exposed)), float(flops.sum()), float(nbytes.sum()), costs, mem,
-                      self.placement.describe())
+                      float(sum(exposed)), float(flops.sum()), float(nbytes.sum()), mem,
+                      self.placement.describe(), (pp.collectives, timed, exposed))
 
-  def _copy_issue(self, pp) -> list[int]:
-    """Per resharded copy, the op before which it is made: once its value exists and the
-    previous copy is being read."""
-    producer, out, previous = self.work.producer, [], 0
-    for c in pp.plan.copies:
-      out.append(max(int(producer[c.value]) + 1, previous))
-      previous = c.first
-    return out
-
-  def _schedule(self, pp, durations, kernels, issue) -> list[float]:
+  def _schedule(self, a: _PlanArrays, durations, kernels) -> list[float]:
     """Per collective, the compute idle time spent while it ran.
 
     Kernels run in a fixed order (ProgramWork.order); the time at place p is the sum of the
     kernels before it plus the waits so far, so only the places where a collective is issued or
-    awaited are visited."""
-    exposed = [0.0] * len(durations)
-    if not durations:
+    first awaited are visited (once a kernel has waited for a collective, later readers find it
+    done)."""
+    n = len(durations)
+    exposed = [0.0] * n
+    if not n:
       return exposed
     if not self.hardware.overlap_collectives:  # run in line
       return list(durations)
-    users, producer = self.program.users, self.work.producer
-    at = self.work.group                           # per op: its kernel's place in the run order
+    at, producer = self.work.group, self.work.producer
+    copy = np.maximum(a.copy, 0)
+    made = at[producer[a.value]] + 1
+    made[producer[a.value] < 0] = 0
+    first_wait = np.full(len(a.copy_value) + 1, _NEVER, np.int64)
+    np.minimum.at(first_wait, a.read_copy, at[a.read_op])
+    if len(a.copy_value):
+      made = np.maximum(made, at[a.copy_issue[copy]])
+    ready = np.where(a.copy >= 0, made, at[a.op] + 1)
+    waits = np.maximum(np.where(a.copy >= 0, first_wait[copy], self.first_read[a.value]), ready)
+    awaited = np.nonzero(waits < _NEVER)[0]
+    places = np.concatenate([ready, waits[awaited]])
+    what = np.concatenate([np.zeros(n, np.int64), np.ones(len(awaited), np.int64)])
+    which = np.concatenate([np.arange(n), awaited])
+    order = np.lexsort((which, what, places))
     before = np.concatenate([[0.0], np.cumsum(kernels)]).tolist()  # compute before place p
-    events = []                  # (place, 0: issue / 1: await, collective)
-    readers = collections.defaultdict(list)
-    for (op, _), c in pp.plan.copy_of.items():
-      readers[c].append(op)
-    for k, c in enumerate(pp.collectives):
-      if c.copy >= 0:
-        p = producer[c.value]
-        ready = max(0 if p < 0 else int(at[p]) + 1, int(at[issue[c.copy]]))
-        waiters = readers[c.copy]
-      else:                      # a result being reduced or resharded
-        ready = int(at[c.op]) + 1
-        waiters = users[c.value]
-      events.append((ready, 0, k))
-      for op in waiters:         # a reader fused with the producer waits after it
-        events.append((max(int(at[op]), ready), 1, k))
-    events.sort()
     offset = network = 0.0
-    done = [0.0] * len(durations)
-    issued, rank = [], [0] * len(durations)
+    done = [0.0] * n
+    issued, rank = [], [0] * n
 
     def wait(k, now):
       """The network is busy from now until k is done: charge the wait to the collectives that
@@ -219,9 +263,10 @@ class Simulator:
         j -= 1
       return done[k] - now
 
-    for position, what, k in events:
+    for position, awaits, k in zip(places[order].tolist(), what[order].tolist(),
+                                   which[order].tolist()):
       now = before[position] + offset
-      if what == 0:
+      if not awaits:
         network = done[k] = max(network, now) + durations[k]
         rank[k] = len(issued)
         issued.append(k)
