@@ -33,7 +33,8 @@ NUM_KINDS = len(PRIMITIVES) + 3
 NODE_FEATURES = MAX_RANK + 7 + len(ROLES)
 SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1
 ACTION_FEATURES = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1 + len(ROLES) + 2
-GLOBAL_FEATURES = MAX_AXES + 1 + 7 + 8
+PROGRAM_FEATURES = 12
+GLOBAL_FEATURES = MAX_AXES + 1 + 7 + PROGRAM_FEATURES + 8
 
 
 class Sizes(NamedTuple):
@@ -71,6 +72,31 @@ def observation_spec(sizes: Sizes) -> dict:
       "action_mask": specs.Array((a,), bool, "action_mask"),
       "globals": specs.Array((GLOBAL_FEATURES,), f32, "globals"),
   }
+
+
+def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
+  """What kind of model this is: shares of its ops and FLOPs by kind and its sizes. Averaged
+  node embeddings blur this (a few convolutions or attention matmuls among thousands of
+  elementwise ops), and it is what decides between families of strategies."""
+  ops, values = program.ops, program.values
+  n = max(len(ops), 1)
+  kinds = [w.kind for w in work.work]
+  flops = np.array([w.flops for w in work.work], np.float64)
+  total = max(flops.sum(), 1.0)
+  is_kind = lambda k: np.array([x == k for x in kinds], bool)
+  matmul, conv = is_kind("matmul"), is_kind("conv")
+  batched = sum(1 for op in ops if op.name == "dot_general"
+                and op.params["dimension_numbers"][1][0])  # attention-like: batch dims
+  nbytes = lambda ids: sum(values[v].nbytes for v in ids)
+  return np.array([
+      matmul.sum() / n, conv.sum() / n, is_kind("vector").sum() / n, is_kind("memory").sum() / n,
+      flops[matmul].sum() / total, flops[conv].sum() / total,
+      sum(op.name in _REDUCTIONS for op in ops) / n, batched / max(matmul.sum(), 1),
+      _log(len(ops), 16), _log(nbytes(roles.params), 40), _log(nbytes(roles.data), 40),
+      _log(total, 60)], np.float32)
+
+
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 
 
 class StaticGraph:
@@ -149,7 +175,7 @@ class StaticGraph:
         row[base_role + len(ROLES) + 1] = _log(len(point.members), 10)
         node[i] = point.members[0]
     self.actions, self.action_node = act, node
-    # Globals that do not change: the mesh and the hardware.
+    # Globals that do not change: the mesh, the hardware and what kind of model it is.
     g = np.zeros(MAX_AXES + 1 + 7, np.float32)
     for i, size in enumerate(mesh.shape):
       g[i] = _log(size, 12)
@@ -158,7 +184,7 @@ class StaticGraph:
                         _log(hardware.hbm_bytes, 40), _log(hardware.hbm_bandwidth, 40),
                         _log(hardware.intra.bandwidth, 40), _log(hardware.inter.bandwidth, 40),
                         _log(hardware.node_size, 12))
-    self.static_globals = g
+    self.static_globals = np.concatenate([g, program_features(program, work, roles)])
     self._rows: dict = {}
 
   def sharding_rows(self, dims_list: Sequence, ids: Sequence[int], decided: Sequence[bool],

@@ -231,12 +231,25 @@ def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
     counter.restore({"episodes": float(last["episodes"]), "steps": float(last["steps"])})
   logger = CSVLogger(os.path.join(run_dir, "logs"), label)
   loop = EnvironmentLoop(env, actor, counter=counter, logger=_EpisodeRecord(logger, actor, env))
+  pretrain = getattr(builder.config, "pretrain_steps", 0)
   try:
+    if pretrain:
+      # Search data from a policy that has not yet cloned the experts would be stale when the
+      # learner first reads replay, and would undo the cloning.
+      print(f"{label}: waiting for the learner to clone the experts ({pretrain} updates)",
+            flush=True)
+      _wait_for_version(source, pretrain)
     loop.run(num_episodes=episodes)
   except KeyboardInterrupt:
     pass
   finally:
     logger.close()
+
+
+def _wait_for_version(source, version: int, poll_s: float = 1.0) -> None:
+  """Blocks until the published parameters have reached `version`."""
+  while not source.available() or source.get_variables(["policy"])[0][1] < version:
+    time.sleep(poll_s)
 
 
 class _EpisodeRecord:

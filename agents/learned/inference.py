@@ -47,10 +47,11 @@ def load_policy(run_dir: str) -> TrainedPolicy:
   networks = builder.make_networks()
   state = checkpointing.load(run_dir)["learner"]["state"]
   params = state[0] if isinstance(state, tuple) else state.params
-  expected = jax.tree_util.tree_structure(builder.init_params(networks))
-  if jax.tree_util.tree_structure(params) != expected:
+  shapes = lambda tree: jax.tree_util.tree_map(np.shape, tree)
+  if shapes(params) != shapes(builder.init_params(networks)):
     raise checkpointing.CheckpointError(
-        f"the checkpoint in {run_dir} does not fit the network of its {CONFIG}")
+        f"the checkpoint in {run_dir} does not fit the network of its {CONFIG} (trained on "
+        "observations of another shardzero version?); train it again")
   return TrainedPolicy(networks, params, int(np.asarray(state[2])), config, run_dir)
 
 

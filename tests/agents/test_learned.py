@@ -2,6 +2,7 @@
 their loss, checkpoints that survive and refuse damage."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -232,6 +233,22 @@ def test_checkpoint_round_trip_and_damage(tmp_path, env):
     checkpointing.load(str(tmp_path / "other"))
   with pytest.raises(checkpointing.CheckpointError, match="no checkpoint"):
     checkpointing.load(str(tmp_path / "missing"))
+
+
+def test_a_policy_checkpoint_of_another_network_is_a_clear_error(tmp_path):
+  """Same modules, other shapes (another hidden size, or observations of another version)."""
+  from agents.learned.inference import load_policy
+  builder = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
+  nets = builder.make_networks()
+  learner = builder.make_learner(nets, builder.init_params(nets), iter([]),
+                                 logger=InMemoryLogger())
+  checkpointing.save(str(tmp_path / checkpointing.FILENAME), {"learner": learner.save()})
+  config = {"algorithm": "alphazero", "sizes": list(SIZES)}
+  (tmp_path / "config.json").write_text(json.dumps({**config, "network": {"hidden": 8}}))
+  with pytest.raises(checkpointing.CheckpointError, match="does not fit the network"):
+    load_policy(str(tmp_path))
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  assert load_policy(str(tmp_path)).version == 0
 
 
 def test_learner_source_serves_current_version(env):

@@ -161,6 +161,24 @@ def test_observation_shapes_and_sharding_features():
   assert obs0["node_sharding"].sum() == 0   # earlier observations are not mutated
 
 
+def test_program_features_tell_model_families_apart():
+  """The globals say what kind of model it is: convolution FLOPs, attention (batched) matmuls."""
+  from environments.observations import MAX_AXES, program_features
+  from partitioner import roles
+  from partitioner.cost.compute import ProgramWork
+
+  def features(model):
+    program = load_program(model)
+    return program_features(program, ProgramWork.of(program), roles.roles(program))
+  conv, attention, mlp = features("resnet:mini"), features("gpt:mini"), features("mlp:mini")
+  assert conv[5] > 0.9 and attention[5] == mlp[5] == 0              # conv share of FLOPs
+  assert attention[4] > 0.9 and mlp[4] > 0.9 and conv[4] < 0.1      # matmul share of FLOPs
+  assert attention[7] > 0.1 and mlp[7] == conv[7] == 0              # batched (attention) matmuls
+  ts = PartitioningEnv(Task("resnet:mini", "batch=4,model=2")).reset()
+  np.testing.assert_allclose(ts.observation["globals"][MAX_AXES + 8:MAX_AXES + 8 + len(conv)],
+                             conv)
+
+
 def test_clone_is_exact_and_independent():
   env = PartitioningEnv(GPT)
   env.reset()

@@ -169,3 +169,40 @@ def test_learner_pretrains_by_cloning_the_expert(tmp_path):
   env.reset()
   play_policy(env, load_policy(str(tmp_path)), "greedy")
   assert list(env.history) == moves
+
+
+def test_actors_wait_for_the_cloning_to_end(tmp_path):
+  """With pretrain_steps, an actor writes no search data before the parameters it plays with
+  have cloned the experts: replay then holds no stale items."""
+  import dataclasses
+  import signal
+  import threading
+  from agents.learned.variable_client import publish
+  from launch.training import run_actor
+  pretrain = 5
+  config = dataclasses.replace(CONFIG, algorithm="alphazero", settings={
+      "batch_size": 2, "pretrain_steps": pretrain, "simulations": 2})
+  builder = config.builder()
+  server = reverb.Server(builder.make_replay_tables())
+  client = reverb.Client(f"localhost:{server.port}")
+  params = builder.init_params(builder.make_networks())
+  publish(client, params, 0)
+  size_while_cloning = []
+
+  def cloned():
+    size_while_cloning.append(client.server_info()["trajectories"].current_size)
+    publish(client, params, pretrain)
+
+  timer = threading.Timer(4.0, cloned)
+  handler = signal.getsignal(signal.SIGTERM)
+  try:
+    timer.start()
+    run_actor(config, str(tmp_path), f"localhost:{server.port}", 0, episodes=1)
+    written = client.server_info()["trajectories"].current_size
+  finally:
+    timer.cancel()
+    signal.signal(signal.SIGTERM, handler)
+    server.stop()
+  assert size_while_cloning == [0] and written > 0
+  episodes = _rows(tmp_path / "logs" / "actor_0.csv")
+  assert [int(float(r["version"])) for r in episodes] == [pretrain]
