@@ -28,7 +28,8 @@ Algorithms:
   alphazero  MCTS with the network's prior and value at every step; the learner fits the visit
              distributions and returns (uniform replay with a sample-to-insert rate limiter).
              Expert demonstrations: --set pretrain_steps=N clones the corpus' best expert
-             strategies on the train split for the first N updates; --set demonstrations=F
+             strategies on the train split for the first N updates (actors wait for
+             them); --set demonstrations=F
              has actors replay the best expert in that share of their episodes.
 
 Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
