@@ -17,7 +17,7 @@ from dm_env import specs
 
 from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
 from partitioner import roles as R
-from partitioner.cost.compute import ProgramWork
+from partitioner.cost.compute import REDUCTIONS, ProgramWork
 from partitioner.cost.hardware import Hardware
 from partitioner.errors import WorkloadError
 from partitioner.ir import Program
@@ -91,12 +91,9 @@ def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
   return np.array([
       matmul.sum() / n, conv.sum() / n, is_kind("vector").sum() / n, is_kind("memory").sum() / n,
       flops[matmul].sum() / total, flops[conv].sum() / total,
-      sum(op.name in _REDUCTIONS for op in ops) / n, batched / max(matmul.sum(), 1),
+      sum(op.name in REDUCTIONS for op in ops) / n, batched / max(matmul.sum(), 1),
       _log(len(ops), 16), _log(nbytes(roles.params), 40), _log(nbytes(roles.data), 40),
       _log(total, 60)], np.float32)
-
-
-_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"}
 
 
 class StaticGraph:

@@ -29,8 +29,8 @@ Algorithms:
              distributions and returns (uniform replay with a sample-to-insert rate limiter).
              Expert demonstrations: --set pretrain_steps=N clones the corpus' best expert
              strategies on the train split for the first N updates (actors wait for
-             them); --set demonstrations=F
-             has actors replay the best expert in that share of their episodes.
+             them); --set demonstrations=F has actors replay the best expert in that
+             share of their episodes.
 
 Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
 Ctrl-C or the death of any process stops all of them (the one that died is named); the

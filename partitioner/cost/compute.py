@@ -20,12 +20,12 @@ from partitioner.ir import Program
 from partitioner.rules.elementwise import NARY, UNARY
 
 _ELEMENTWISE = set(UNARY) | set(NARY)
-_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
            "argmax", "argmin"}
 _SCANS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 _SHAPE = {"broadcast_in_dim", "reshape", "squeeze", "transpose", "iota", "concatenate", "slice",
           "pad", "dynamic_slice", "rev"}
-FUSIBLE = _ELEMENTWISE | _REDUCE | _SHAPE
+FUSIBLE = _ELEMENTWISE | REDUCTIONS | _SHAPE
 _MOVABLE = _ELEMENTWISE | _SHAPE
 
 
@@ -52,7 +52,7 @@ def _work(op, program) -> OpWork:
     return OpWork(2.0 * out.size * per_output, "conv", dtype, -1)
   if name in _ELEMENTWISE:
     return OpWork(float(out.size), "vector", dtype, -1)
-  if name in _REDUCE or name in _SCANS:
+  if name in REDUCTIONS or name in _SCANS:
     return OpWork(float(vals[op.inputs[0]].size), "vector", dtype, 0)
   if name == "sort":
     n = vals[op.inputs[0]].shape[op.params["dimension"]]
@@ -82,7 +82,7 @@ class ProgramWork:
     # A value stays in a kernel when a fusible op makes it and all its readers are in the same
     # kernel; reductions end a kernel (their result is needed whole before it is used), and a
     # value a reduction reads stays in memory if anything else reads it too (softmax's exp).
-    is_reduce = [op.name in _REDUCE for op in ops]
+    is_reduce = [op.name in REDUCTIONS for op in ops]
     candidate = np.zeros(len(program.values), bool)
     for op in ops:
       if fusible[op.index] and not is_reduce[op.index]:

@@ -114,8 +114,9 @@ class Simulator:
   What does not depend on the sharding is computed once; op costs are computed with arrays,
   and a program derived by one more tactic (`pp.parent`) updates its parent's per-value
   layouts and plan rather than recomputing them; the schedule and the memory profile are
-  array passes over the plan (a changed collective moves every later time). Compute runs fused kernels in program order;
-  collectives run in the order they become ready on one network stream (async, as XLA's
+  array passes over the plan (a changed collective moves every later time). Compute runs fused
+  kernels in program order; collectives run in the order they become ready on one network
+  stream (async, as XLA's
   latency-hiding scheduler issues them) and a kernel that needs a collective's result waits
   for it. A resharded operand copy is prefetched while the previous copy's first reader runs
   (as FSDP prefetches the next layer) and lives from then to its last reader.
@@ -155,8 +156,7 @@ class Simulator:
     return out
 
   def arrays(self, plan) -> _PlanArrays:
-    """The plan as arrays, so that costs, schedule and memory are computed without a Python
-    loop over its collectives and copies."""
+    """The plan as arrays, so that costs, schedule and memory are numpy passes over it."""
     pieces, producer = self.divisors.of, self.work.producer
     value, dims, first, last = zip(*plan.copies) if plan.copies else ((),) * 4
     value, first = _ints(value), _ints(first)

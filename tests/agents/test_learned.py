@@ -147,7 +147,8 @@ def test_demonstration_episodes_replay_the_best_expert_with_one_hot_targets(env)
     template = builder.item_template()
     targets = set()
     for _ in range(12):
-      sample = tree.unflatten_as(template, list(next(client.sample("trajectories", emit_timesteps=False)).data))
+      item = next(client.sample("trajectories", emit_timesteps=False))
+      sample = tree.unflatten_as(template, list(item.data))
       assert sample["visits"].max() == 1.0 and sample["visits"].sum() == 1.0
       targets.add(int(np.argmax(sample["visits"])))
     assert targets <= set(taken)
