@@ -22,9 +22,10 @@ install: $(STAMP)
 # model, greedily and with policy-guided search.
 demo: install
 	rm -rf runs/demo
-	$(VENV)/bin/shardzero train --run-dir runs/demo --algorithm alphazero --actors 2 --steps 80 \
-	  --eval-every 60
+	$(VENV)/bin/shardzero train --run-dir runs/demo --algorithm alphazero --actors 2 --steps 240 \
+	  --set pretrain_steps=200 --set learning_rate=3e-3 --set demonstrations=0.25 --eval-every 60
 	$(VENV)/bin/shardzero plot runs/demo
+	$(VENV)/bin/shardzero propose unet:mini --mesh batch=4,model=2 --policy runs/demo
 	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo
 	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo \
 	  --search mcts --budget 16

@@ -54,6 +54,30 @@ def heuristic_prior(observation: dict, tactic_weight: float = 4.0) -> np.ndarray
   return weights / max(weights.sum(), 1e-12)
 
 
+def improved_policy(node: _Node, value: float, c_visit: float = 50.0,
+                    c_scale: float = 0.1) -> np.ndarray:
+  """The policy the search supports at `node`, over its actions: softmax(log prior + sigma(q))
+  with unvisited actions' q completed by a mix of the node's `value` and the visited actions'
+  prior-weighted mean (Gumbel MuZero, Danihelka et al. 2022). Unlike visit counts it stays at
+  the prior where the search learned nothing, so a few simulations do not flatten a good prior.
+  """
+  visited = node.visits > 0
+  q = node.value_sum / np.maximum(node.visits, 1)
+  n = node.visits.sum()
+  if visited.any():
+    p = node.prior[visited]
+    mixed = (value + n * float(np.dot(p, q[visited]) / p.sum())) / (1 + n)
+  else:
+    mixed = value
+  q = np.where(visited, q, mixed)
+  spread = q.max() - q.min()
+  q = (q - q.min()) / spread if spread > 0 else np.zeros_like(q)
+  sigma = (c_visit + node.visits.max(initial=0)) * c_scale
+  logits = np.log(np.maximum(node.prior, 1e-30)) + sigma * q
+  weights = np.exp(logits - logits.max())
+  return weights / weights.sum()
+
+
 class MCTSActor(PlanningActor):
   """Searches `budget` simulations from the state of each episode's first decision."""
 

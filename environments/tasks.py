@@ -1,8 +1,10 @@
 """Partitioning tasks: a workload, a mesh, a hardware and a memory budget per device.
 
-A task distribution draws tasks from a corpus split with meshes of several shapes; its memory
-budgets are fractions of what pure data parallelism needs, so that some tasks force the agent
-to shard state and others do not.
+A task distribution draws tasks from a corpus split with meshes of several shapes. A tight
+memory budget lies between the smallest peak an expert strategy of the family reaches and what
+pure data parallelism needs, so that the agent must shard state and a known strategy fits (half
+of the data-parallel peak does not fit any strategy of most small models, whose activations
+dominate: such tasks teach nothing but penalties).
 """
 
 from __future__ import annotations
@@ -78,10 +80,42 @@ def data_parallel_peak(task: Task) -> int:
   return simulate(pp, task.hardware).peak_memory_bytes
 
 
+@functools.lru_cache(maxsize=256)
+def smallest_expert_peak(task: Task) -> int | None:
+  """The lowest peak bytes per device among the family's expert strategies (None for a model
+  without expert strategies)."""
+  from corpus.experts import experts
+  from partitioner import apply
+  from partitioner.cost import simulate
+  from partitioner.mesh import Mesh
+  program, mesh = load_program(task.model), Mesh.parse(task.mesh)
+  try:
+    schedules = experts(task.model.partition(":")[0], mesh.names)
+  except WorkloadError:
+    return None
+  peaks = []
+  for schedule in schedules.values():
+    try:
+      peaks.append(simulate(apply(program, mesh).apply(schedule), task.hardware).peak_memory_bytes)
+    except ShardzeroError:
+      pass
+  return min(peaks, default=None)
+
+
+def tight_budget(task: Task, fraction: float) -> int:
+  """`fraction` of the way from the smallest expert peak (0) to the data-parallel peak (1);
+  of the data-parallel peak alone where no expert strategy is known."""
+  high, low = data_parallel_peak(task), smallest_expert_peak(task)
+  if low is None or low >= high:
+    return max(1, int(fraction * high))
+  return max(1, int(low + fraction * (high - low)))
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskDistribution:
-  """Tasks drawn uniformly: a model, a mesh, a hardware, and a budget that is a fraction of
-  the data-parallel peak memory (None: the device's memory)."""
+  """Tasks drawn uniformly: a model, a mesh, a hardware, and a budget (None: the device's
+  memory; a fraction: `tight_budget`, between the smallest expert peak and the data-parallel
+  peak)."""
   models: tuple[str, ...]
   meshes: tuple[str, ...] = ("batch=8", "batch=4,model=2", "batch=2,model=4")
   hardware: tuple[str, ...] = ("h100",)
@@ -106,8 +140,13 @@ class TaskDistribution:
     fraction = pick(self.budget_fractions)
     if fraction is None:
       return task
-    return dataclasses.replace(task, memory_budget=max(1, int(fraction * data_parallel_peak(task))))
+    return dataclasses.replace(task, memory_budget=tight_budget(task, fraction))
 
   def tasks(self) -> Sequence[Task]:
-    """Every (model, mesh, hardware) with the device's memory as budget."""
-    return [Task(m, mesh, hw) for m in self.models for mesh in self.meshes for hw in self.hardware]
+    """Every (model, mesh, hardware, budget) the distribution draws from."""
+    out = []
+    for task in (Task(m, mesh, hw) for m in self.models for mesh in self.meshes
+                 for hw in self.hardware):
+      out += [task if f is None else dataclasses.replace(task, memory_budget=tight_budget(task, f))
+              for f in self.budget_fractions]
+    return out

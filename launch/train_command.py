@@ -25,8 +25,10 @@ policy on the held-out split and logs its step time over the best expert strateg
 
 Algorithms:
   ppo        clipped-surrogate PPO with GAE on sequences (a queue: on-policy)
-  alphazero  MCTS with the network's prior and value at every step; the learner fits the visit
-             distributions and returns (uniform replay with a sample-to-insert rate limiter).
+  alphazero  MCTS with the network's prior and value at every step; the learner fits the
+             root's visit distributions (--set policy_target=completed_q: the prior
+             improved by the root's completed Q-values, Gumbel MuZero's target) and the
+             returns (uniform replay with a sample-to-insert rate limiter).
              Expert demonstrations: --set pretrain_steps=N clones the corpus' best expert
              strategies on the train split for the first N updates (actors wait for
              them); --set demonstrations=F has actors replay the best expert in that

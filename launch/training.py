@@ -87,6 +87,12 @@ class RunConfig:
     models = self.heldout or [f"{name}:{self.preset}" for name in corpus.split("heldout")]
     return [Task(model, self.eval_mesh, self.hardware) for model in models]
 
+  def train_eval_tasks(self):
+    """The training models on the evaluation mesh: what the policy learned from, as a
+    reference for how well it transfers to the held-out models."""
+    from environments import Task
+    return [Task(model, self.eval_mesh, self.hardware) for model in self.train_tasks().models]
+
 
 def _stop_on_sigterm():
   """SIGTERM ends the process the way Ctrl-C does (cleanup runs, the checkpoint is kept)."""
@@ -294,7 +300,8 @@ def evaluate_policy(policy_params, networks, tasks, env_config, experts: dict) -
 def run_evaluator(config: RunConfig, run_dir: str, address: str,
                   rounds: Optional[int] = None) -> None:
   """Every `eval_every_s`, plays the greedy policy on the held-out tasks and logs the mean
-  ratio of its step time to the best expert strategy's (lower is better; 1 is parity)."""
+  ratio of its step time to the best expert strategy's (lower is better; 1 is parity), and the
+  same mean over the training models."""
   from agents.learned.variable_client import ReverbVariableSource
   from agents.loggers import CSVLogger
   _stop_on_sigterm()
@@ -312,11 +319,14 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
       params, version = source.get_variables(["policy"])[0]
       result = evaluate_policy(params, networks, config.heldout_tasks(), config.env_config(),
                                experts)
+      train = evaluate_policy(params, networks, config.train_eval_tasks(), config.env_config(),
+                              experts)
       ratios = [r for r, _ in result.values()]
       record = {"version": version, "time": time.time(),
                 "heldout_cost_ratio": float(np.mean(ratios)),
                 "heldout_within_10pct": float(np.mean([r <= 1.1 for r in ratios])),
                 "heldout_fits": float(np.mean([f for _, f in result.values()])),
+                "train_cost_ratio": float(np.mean([r for r, _ in train.values()])),
                 **{f"ratio_{m.split(':')[0]}": r for m, (r, _) in result.items()}}
       logger.write(record)
       tb(version, record)

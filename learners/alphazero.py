@@ -2,10 +2,11 @@
 the return that followed.
 
 An actor searches with MCTS guided by the network's prior and value at every step; it records
-the normalised visit counts of the root (one-hot finish when the search found nothing better
-than stopping) and, at the end of the episode, the return from that step on. The learner
-samples these steps uniformly (rate-limited against insertion) and minimises cross-entropy to
-the visits plus the squared value error.
+the normalised visit counts of the root, or the prior improved by its completed Q-values
+(one-hot finish when the search found nothing better than stopping), and at the end of the
+episode the return from that step on. The learner samples these steps uniformly
+(rate-limited against insertion) and minimises cross-entropy to the policy target plus the
+squared value error.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from agents.learned.networks import Networks
+
+
+POLICY_TARGETS = ("completed_q", "visits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +33,18 @@ class AlphaZeroConfig:
   batch_size: int = 16             # steps per batch
   simulations: int = 16            # MCTS simulations per move
   temperature: float = 1.0         # actors sample moves from visits^(1/temperature)
+  policy_target: str = "visits"    # or "completed_q" (Gumbel MuZero's): see AlphaZeroActor
   prior_mix: float = 0.25          # actors search with this share of the heuristic prior
   demonstrations: float = 0.0      # share of actor episodes that replay the best expert
   pretrain_steps: int = 0          # first updates clone the experts of the train split
   replay_size: int = 2000
   samples_per_insert: float = 4.0  # how often each step is used, on average
   min_replay_size: int = 32
+
+  def __post_init__(self):
+    if self.policy_target not in POLICY_TARGETS:
+      raise ValueError(f"unknown policy_target {self.policy_target!r}; "
+                       f"choose from {', '.join(POLICY_TARGETS)}")
 
 
 def alphazero_loss(networks: Networks, config: AlphaZeroConfig):

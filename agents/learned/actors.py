@@ -2,8 +2,9 @@
 
 `PolicyActor` samples from the network's masked logits (argmax when evaluating) and hands the
 behaviour log-probability and parameter version to its adder. `AlphaZeroActor` searches with
-MCTS at every step, the network giving the prior and the leaf values, and records the root's
-visit distribution as the policy target.
+MCTS at every step, the network giving the prior and the leaf values, and records the policy
+the search supports at the root (its visit distribution, or the prior improved by completed
+Q-values) as the policy target.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from agents.core import Actor
 from agents.learned.demonstrations import expert_moves
 from agents.learned.networks import Networks
 from agents.learned.variable_client import VariableClient
-from agents.mcts import MCTSActor, heuristic_prior
+from agents.mcts import MCTSActor, heuristic_prior, improved_policy
+from learners.alphazero import POLICY_TARGETS
 
 # policy(params, key, observation) -> (action, log_prob, value)
 Policy = Callable
@@ -107,8 +109,10 @@ class PolicyActor(_AdderActor):
 
 class AlphaZeroActor(_AdderActor):
   """MCTS with the network's prior and value at every step of `environment` (the environment
-  the loop steps). The search target is the root's visit distribution; when the best state the
-  search saw is the current one, the target and the move are finish.
+  the loop steps). The move is sampled from the root's visits; the policy target is the visit
+  distribution (`policy_target="visits"`, AlphaZero's) or the prior improved by the root's
+  completed Q-values (`"completed_q"`, which a search of few simulations cannot flatten). When
+  the best state the search saw is the current one, the target and the move are finish.
 
   With `demonstrations` > 0, that share of episodes replays the corpus' best expert strategy
   for the task instead (then finish), each move's target one-hot on the expert's action: the
@@ -118,8 +122,12 @@ class AlphaZeroActor(_AdderActor):
   def __init__(self, environment, networks: Networks, variable_client: VariableClient,
                adder: Optional[Adder] = None, simulations: int = 16, temperature: float = 1.0,
                prior_mix: float = 0.0, evaluation: bool = False, seed: int = 0,
-               demonstrations: float = 0.0):
+               demonstrations: float = 0.0, policy_target: str = "visits"):
+    if policy_target not in POLICY_TARGETS:
+      raise ValueError(f"unknown policy target {policy_target!r}; "
+                       f"choose from {', '.join(POLICY_TARGETS)}")
     self._env = environment
+    self._target = policy_target
     self._demonstrations = demonstrations
     self._demo: list[int] = []   # the rest of the expert's moves in a demonstration episode
     self._client = variable_client
@@ -151,7 +159,8 @@ class AlphaZeroActor(_AdderActor):
       visits[action] = 1.0
     else:
       counts = root.visits
-      visits[root.actions] = counts / counts.sum()
+      visits[root.actions] = (counts / counts.sum() if self._target == "visits" else
+                              improved_policy(root, self._mcts.value_fn(observation)))
       if self._evaluation or self._temperature == 0:
         action = int(root.actions[np.argmax(counts)])
       else:

@@ -187,7 +187,8 @@ class AlphaZeroBuilder(Builder):
                           adder, simulations=c.simulations, temperature=c.temperature,
                           prior_mix=0.0 if evaluation else c.prior_mix,
                           evaluation=evaluation, seed=seed,
-                          demonstrations=0.0 if evaluation else c.demonstrations)
+                          demonstrations=0.0 if evaluation else c.demonstrations,
+                          policy_target=c.policy_target)
 
   def loss(self, networks):
     return alphazero_loss(networks, self.config)
@@ -208,7 +209,11 @@ def make_builder(algorithm: str, config: dict | None = None, sizes=Sizes(4096, 8
   if unknown:
     raise ShardzeroError(f"unknown {algorithm} settings {sorted(unknown)}; "
                          f"known: {', '.join(sorted(fields))}")
-  return builder_cls(config_cls(**(config or {})), Sizes(*sizes),
+  try:
+    algorithm_config = config_cls(**(config or {}))
+  except ValueError as e:
+    raise ShardzeroError(f"bad {algorithm} settings: {e}") from None
+  return builder_cls(algorithm_config, Sizes(*sizes),
                      networks_lib.NetworkConfig(**(network or {})))
 
 

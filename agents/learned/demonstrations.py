@@ -18,13 +18,14 @@ from partitioner.errors import ShardzeroError
 
 def expert_moves(env) -> list[int]:
   """The best expert's actions from `env`'s current state, then finish; empty where the task
-  has no expert strategies or the best one does not beat the current state."""
+  has no expert strategies or the best one does not beat the current state (which counts its
+  memory penalty: fitting a budget the current state misses is worth a slower step)."""
   from agents.expert import best_expert, evaluate_experts
   try:
     best = best_expert(evaluate_experts(env))
   except ShardzeroError:
     return []
-  if best is None or not best.actions or best.score <= 0:
+  if best is None or not best.actions or best.score <= env.score():
     return []
   return [*best.actions, env.finish_action]
 

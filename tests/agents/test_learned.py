@@ -96,9 +96,11 @@ def test_sequence_adder_writes_padded_sequences_with_versions(env):
     server.stop()
 
 
-def test_return_adder_records_returns_to_go_and_visits(env):
+@pytest.mark.parametrize("target", ["visits", "completed_q"])
+def test_return_adder_records_returns_to_go_and_policy_targets(env, target):
   builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, min_replay_size=1, batch_size=1,
-                                             samples_per_insert=100.0), SIZES)
+                                             samples_per_insert=100.0, policy_target=target),
+                             SIZES)
   server, client = _server(builder)
   try:
     _, _, actor = _actor(builder, env, client, version=3)
@@ -154,6 +156,34 @@ def test_demonstration_episodes_replay_the_best_expert_with_one_hot_targets(env)
     assert targets <= set(taken)
   finally:
     server.stop()
+
+
+def test_unknown_settings_are_clear_errors():
+  from agents.learned.builders import make_builder
+  from partitioner.errors import ShardzeroError
+  with pytest.raises(ShardzeroError, match="policy_target"):
+    make_builder("alphazero", {"policy_target": "counts"})
+  with pytest.raises(ShardzeroError, match="unknown alphazero settings"):
+    make_builder("alphazero", {"learning_rte": 1e-3})
+
+
+def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
+  from agents.learned.demonstrations import expert_moves
+  from environments import TaskDistribution
+  task = Task("resnet:mini", "batch=4,model=2")
+  roomy = PartitioningEnv(task)
+  roomy.reset()
+  assert expert_moves(roomy) == []     # no expert beats leaving it unpartitioned
+  tight, = TaskDistribution((task.model,), meshes=(task.mesh,), budget_fractions=(0.5,)).tasks()
+  env = PartitioningEnv(tight)
+  ts = env.reset()
+  assert env.penalty() > 0
+  moves = expert_moves(env)
+  assert moves[-1] == env.finish_action
+  for a in moves:
+    ts = env.step(a)
+  assert ts.last() and env.penalty() == 0
+  assert env.cost.step_time_s > env.context.root.cost.step_time_s   # slower, but it fits
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "alphazero"])

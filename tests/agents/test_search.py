@@ -11,7 +11,7 @@ from agents.beam import BeamActor
 from agents.environment_loop import EnvironmentLoop
 from agents.expert import ExpertActor, best_expert, evaluate_experts
 from agents.loggers import InMemoryLogger
-from agents.mcts import MCTSActor
+from agents.mcts import MCTSActor, _Node, improved_policy
 from environments import PartitioningEnv, Task
 from environments.tasks import data_parallel_peak, load_program
 from partitioner.cost import simulate
@@ -98,6 +98,21 @@ def test_mcts_takes_a_prior_and_a_value():
   root = actor.table[env.state_key]
   assert root.actions[np.argmax(root.visits)] == target
   assert calls["prior"] == 6 and calls["value"] >= 4
+
+
+def test_improved_policy_keeps_the_prior_until_the_search_finds_better():
+  node = _Node(np.arange(3), np.array([0.6, 0.3, 0.1]))
+  np.testing.assert_allclose(improved_policy(node, value=0.2), node.prior)
+  # One simulation each on the first two actions: the second was worth more. Visit counts
+  # would say 50/50; the improved policy moves the mass to what the search found better and
+  # keeps the unvisited action near its prior.
+  node.visits[:] = [1, 1, 0]
+  node.value_sum[:] = [0.1, 0.5, 0.0]
+  node.total = 2
+  pi = improved_policy(node, value=0.2)
+  assert np.isclose(pi.sum(), 1.0)
+  assert pi[1] > 0.9 > pi[0]
+  assert 0 < pi[2] < node.prior[2]
 
 
 def test_random_actor_plays_legal_episodes():

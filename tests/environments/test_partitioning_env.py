@@ -9,9 +9,10 @@ from absl.testing import absltest
 from dm_env import test_utils
 
 import partitioner as P
+from agents.expert import evaluate_experts
 from environments import (InvalidActionError, PartitioningEnv, Task, TaskDistribution,
                           decision_points, parse_bytes)
-from environments.tasks import data_parallel_peak, load_program
+from environments.tasks import data_parallel_peak, load_program, smallest_expert_peak
 from partitioner.cost import simulate
 from partitioner.errors import WorkloadError
 
@@ -240,10 +241,20 @@ def test_seeded_episodes_reproduce():
 def test_task_distribution_from_split_and_budgets():
   dist = TaskDistribution.from_split("heldout", budget_fractions=(0.5,))
   assert {m.split(":")[0] for m in dist.models} == {"t5", "moe", "unet", "ssm"}
-  task = Task("mlp:small", "batch=8")
-  small = TaskDistribution(("mlp:small",), meshes=("batch=8",), budget_fractions=(0.5,))
-  sampled = small.sample(np.random.default_rng(0))
-  assert sampled.memory_budget == int(0.5 * data_parallel_peak(task))
+  # Half of the data-parallel peak fits no expert strategy of gpt:mini (activations dominate);
+  # a tight budget lies halfway between the smallest expert peak and the data-parallel one.
+  task = Task("gpt:mini", "batch=4,model=2")
+  tight = TaskDistribution(("gpt:mini",), meshes=(task.mesh,), budget_fractions=(0.5,))
+  sampled = tight.sample(np.random.default_rng(0))
+  low, high = smallest_expert_peak(task), data_parallel_peak(task)
+  assert 0.5 * high < low < high
+  assert sampled.memory_budget == int(low + 0.5 * (high - low))
+  env = PartitioningEnv(sampled)
+  env.reset()
+  results = evaluate_experts(env)
+  assert not next(r for r in results if r.name == "dp").fits
+  assert any(r.fits for r in results)
+  assert tight.tasks() == [sampled]
   with pytest.raises(WorkloadError, match="split"):
     TaskDistribution.from_split("test")
   with pytest.raises(WorkloadError, match="positive"):

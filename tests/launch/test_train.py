@@ -206,3 +206,40 @@ def test_actors_wait_for_the_cloning_to_end(tmp_path):
   assert size_while_cloning == [0] and written > 0
   episodes = _rows(tmp_path / "logs" / "actor_0.csv")
   assert [int(float(r["version"])) for r in episodes] == [pretrain]
+
+
+def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
+  """One evaluation round over Reverb: the greedy policy's step time over the best expert's,
+  per held-out model and as means over the held-out and the train models."""
+  import dataclasses
+  import signal
+  from agents.expert import best_expert, evaluate_experts
+  import jax
+  from agents.learned.variable_client import publish
+  from environments import PartitioningEnv
+  from launch.training import run_evaluator
+  config = dataclasses.replace(CONFIG, models=("gnn:mini",), eval_every_s=0.0)
+  builder = config.builder()
+  server = reverb.Server(builder.make_replay_tables())
+  networks = builder.make_networks()
+  params = builder.init_params(networks)
+  publish(reverb.Client(f"localhost:{server.port}"), params, 4)
+  handler = signal.getsignal(signal.SIGTERM)
+  try:
+    run_evaluator(config, str(tmp_path), f"localhost:{server.port}", rounds=1)
+  finally:
+    signal.signal(signal.SIGTERM, handler)
+    server.stop()
+  row, = _rows(tmp_path / "logs" / "evaluator.csv")
+  assert int(float(row["version"])) == 4
+  assert float(row["heldout_cost_ratio"]) == float(row["ratio_mlp"])
+  train, = config.train_eval_tasks()
+  assert train.model == "gnn:mini" and train.mesh == config.eval_mesh
+  policy = builder.make_policy(networks, evaluation=True)
+  env = PartitioningEnv(train, config=config.env_config())
+  ts = env.reset()
+  while not ts.last():
+    ts = env.step(int(policy(params, jax.random.PRNGKey(0), ts.observation)[0]))
+  expert = best_expert(evaluate_experts(env.restart_clone()))
+  assert np.isclose(float(row["train_cost_ratio"]),
+                    env.cost.step_time_s / expert.cost.step_time_s)
