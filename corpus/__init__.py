@@ -2,8 +2,8 @@
 training and held-out families, with the expert strategies of each family."""
 
 from corpus.experts import STRATEGIES, experts
-from corpus.registry import FAMILIES, SPLITS, build, load, parse, split
+from corpus.registry import FAMILIES, SPLITS, build, load, parse, split, train_models
 from corpus.workload import Workload
 
 __all__ = ["FAMILIES", "SPLITS", "STRATEGIES", "Workload", "build", "experts", "load", "parse",
-           "split"]
+           "split", "train_models"]

@@ -73,7 +73,7 @@ def plot(run_dir: str, out: str) -> str:
         ax.plot(versions, [float(r[key]) for r in evaluator], alpha=0.4, label=key[6:])
     ax.axhline(1.0, color="gray", ls="--", lw=1)
     ax.axhline(1.1, color="gray", ls=":", lw=1)
-  ax.set(title="held-out: policy step time / best expert", xlabel="updates (parameter version)",
+  ax.set(title="greedy policy step time / best expert", xlabel="updates (parameter version)",
          ylabel="cost ratio")
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=7)

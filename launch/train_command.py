@@ -64,6 +64,10 @@ def add_parser(sub) -> None:
   p.add_argument("--preset", help="corpus preset of the train and held-out models; default mini")
   p.add_argument("--meshes", help="training meshes separated by ';', default "
                  "'batch=4,model=2;batch=2,model=4'")
+  p.add_argument("--models", help="training models, corpus specs separated by ';' (default: "
+                 "the train split at --preset with its batch-size variants)")
+  p.add_argument("--heldout", help="evaluation models separated by ';' (default: the held-out "
+                 "split at --preset)")
   p.add_argument("--max-steps", type=int, help="actions per episode; default 12")
   p.add_argument("--checkpoint-every", type=int, help="updates between checkpoints; default 1")
   p.add_argument("--eval-every", type=float, help="seconds between evaluations; default 60")
@@ -89,6 +93,7 @@ def _parse_value(text: str):
 
 
 def make_config(args):
+  import corpus
   from launch.training import RunConfig
   from partitioner.errors import ShardzeroError
   from partitioner.mesh import Mesh
@@ -106,8 +111,10 @@ def make_config(args):
     value = getattr(args, name)
     if value is not None:
       changes[key] = value
-  if args.meshes:
-    changes["meshes"] = tuple(m.strip() for m in args.meshes.split(";") if m.strip())
+  for name in ("meshes", "models", "heldout"):
+    text = getattr(args, name)
+    if text:
+      changes[name] = tuple(m.strip() for m in text.split(";") if m.strip())
   if args.resume and "algorithm" in changes and changes["algorithm"] != config.algorithm:
     raise ShardzeroError(f"{args.run_dir} was trained with {config.algorithm}")
   settings = dict(config.settings)
@@ -122,6 +129,8 @@ def make_config(args):
   config.builder()          # unknown settings fail here, before any process starts
   for mesh in config.meshes + (config.eval_mesh,):
     Mesh.parse(mesh)
+  for model in config.models + config.heldout:
+    corpus.parse(model)     # an unknown family, preset or knob fails before any process starts
   return config
 
 

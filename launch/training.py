@@ -28,7 +28,7 @@ class RunConfig:
   """What a run trains on and how. `settings` override the algorithm's config fields."""
   algorithm: str = "ppo"
   preset: str = "mini"
-  models: tuple[str, ...] = ()        # training models (default: the train split at preset)
+  models: tuple[str, ...] = ()        # training models (default: corpus.train_models(preset))
   heldout: tuple[str, ...] = ()       # evaluation models (default: the held-out split)
   meshes: tuple[str, ...] = ("batch=4,model=2", "batch=2,model=4")
   hardware: str = "h100"
@@ -77,7 +77,7 @@ class RunConfig:
   def train_tasks(self):
     import corpus
     from environments import TaskDistribution
-    models = self.models or tuple(f"{name}:{self.preset}" for name in corpus.split("train"))
+    models = self.models or tuple(corpus.train_models(self.preset))
     return TaskDistribution(models, meshes=self.meshes, hardware=(self.hardware,),
                             budget_fractions=self.budget_fractions)
 

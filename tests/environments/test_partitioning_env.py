@@ -261,6 +261,23 @@ def test_task_distribution_from_split_and_budgets():
     TaskDistribution(("mlp:small",), budget_fractions=(0.0,))
 
 
+def test_train_variants_demonstrate_more_strategy_families():
+  import corpus
+  from agents.expert import best_expert
+  models = corpus.train_models("mini")
+  assert models[:len(corpus.split("train"))] == [f"{n}:mini" for n in corpus.split("train")]
+  best = {}
+  for model in ("gpt:mini", "gpt:mini,batch=8", "resnet:mini", "resnet:mini,batch=1024"):
+    assert model in models
+    env = PartitioningEnv(Task(model, "batch=4,model=2"))
+    env.reset()
+    best[model] = best_expert(evaluate_experts(env))
+  assert best["gpt:mini"].name == "hsdp"
+  assert best["gpt:mini,batch=8"].name == "dp+megatron+vocab"
+  assert best["resnet:mini"].score < 0 < best["resnet:mini,batch=1024"].score   # beats none
+  assert best["resnet:mini,batch=1024"].name == "dp"
+
+
 def test_parse_bytes():
   assert parse_bytes("16GiB") == 16 * 2**30
   assert parse_bytes("1.5MiB") == int(1.5 * 2**20)

@@ -131,6 +131,9 @@ def test_train_rejects_bad_input(capsys, tmp_path):
   assert code == 2 and "unknown ppo settings" in err
   code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "b"), "--meshes", "batch=x")
   assert code == 2
+  code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "b"), "--models",
+                     "gpt:mini; gtp:mini")
+  assert code == 2 and "unknown model family 'gtp'" in err
   CONFIG.save(str(tmp_path / "c"))
   code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "c"))
   assert code == 2 and "--resume" in err
