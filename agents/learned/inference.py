@@ -59,14 +59,23 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
                 budget: int = 50) -> tuple[float, int]:
   """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
   likely legal action until finish), or MCTS with `budget` simulations guided by the policy's
-  prior and value. Returns (seconds spent deciding and applying, simulations). The first call
-  for a size bucket compiles; the timing is taken after a warm-up call."""
+  prior and value, which also decodes greedily and plays the better of the two (a small search
+  need not pass through the greedy line). Returns (seconds spent deciding and applying,
+  simulations). The first call for a size bucket compiles; the timing is taken after a
+  warm-up call."""
   from agents.mcts import MCTSActor
-  from agents.planning import play
+  from agents.planning import path_to, play
   networks, params = policy.networks, policy.params
   greedy = make_policy(networks, evaluation=True)
-  observation = env.observation()
-  greedy(params, jax.random.PRNGKey(0), observation)[0].block_until_ready()   # compile
+  greedy(params, jax.random.PRNGKey(0), env.observation())[0].block_until_ready()   # compile
+
+  def decode(env):
+    done, observation = env.done, env.observation()
+    while not done:
+      action, _, _ = greedy(params, jax.random.PRNGKey(0), observation)
+      ts = env.step(int(action))
+      observation, done = ts.observation, ts.last()
+
   start = time.perf_counter()
   simulations = 0
   if search == "mcts":
@@ -74,13 +83,12 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
     mcts = MCTSActor(env, budget=budget, prior_fn=prior_fn, value_fn=value_fn)
     plan = mcts.plan(env.clone())
     simulations = plan.simulations
-    play(env, plan.actions)
+    line = env.clone()
+    decode(line)
+    better = line.score() > plan.score + 1e-12
+    play(env, path_to(line, len(env.history)) if better else plan.actions)
   elif search == "greedy":
-    done = env.done
-    while not done:
-      action, _, _ = greedy(params, jax.random.PRNGKey(0), observation)
-      ts = env.step(int(action))
-      observation, done = ts.observation, ts.last()
+    decode(env)
   else:
     raise ShardzeroError(f"unknown policy search {search!r}; use greedy or mcts")
   return time.perf_counter() - start, simulations

@@ -86,6 +86,22 @@ def test_propose_uses_the_checkpoint(trained, capsys, tmp_path):
   assert code == 2 and "not a training run" in err
 
 
+def test_guided_search_is_never_worse_than_greedy(trained):
+  from agents.learned.inference import load_policy, play_policy
+  from environments import PartitioningEnv, Task
+  policy = load_policy(str(trained[0]))
+  task = Task("gpt:mini", "batch=4,model=2")
+  greedy = PartitioningEnv(task, config=CONFIG.env_config())
+  greedy.reset()
+  play_policy(greedy, policy, "greedy")
+  for budget in (1, 4):
+    env = PartitioningEnv(task, config=CONFIG.env_config())
+    env.reset()
+    _, simulations = play_policy(env, policy, "mcts", budget)
+    assert env.done and simulations == budget
+    assert env.score() >= greedy.score() - 1e-12
+
+
 def test_propose_verifies_and_refuses_a_damaged_checkpoint(trained, capsys, tmp_path):
   run_dir = trained[0]
   code, out, err = run(capsys, "propose", "mlp:small", "--mesh", "batch=4,model=2", "--policy",
