@@ -20,8 +20,8 @@ from partitioner.ir import Program
 from partitioner.rules.elementwise import NARY, UNARY
 
 _ELEMENTWISE = set(UNARY) | set(NARY)
-REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-           "argmax", "argmin"}
+REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
+              "reduce_or", "argmax", "argmin"}
 _SCANS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 _SHAPE = {"broadcast_in_dim", "reshape", "squeeze", "transpose", "iota", "concatenate", "slice",
           "pad", "dynamic_slice", "rev"}

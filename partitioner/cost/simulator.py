@@ -116,10 +116,10 @@ class Simulator:
   layouts and plan rather than recomputing them; the schedule and the memory profile are
   array passes over the plan (a changed collective moves every later time). Compute runs fused
   kernels in program order; collectives run in the order they become ready on one network
-  stream (async, as XLA's
-  latency-hiding scheduler issues them) and a kernel that needs a collective's result waits
-  for it. A resharded operand copy is prefetched while the previous copy's first reader runs
-  (as FSDP prefetches the next layer) and lives from then to its last reader.
+  stream (async, as XLA's latency-hiding scheduler issues them) and a kernel that needs a
+  collective's result waits for it. A resharded operand copy is prefetched while the previous
+  copy's first reader runs (as FSDP prefetches the next layer) and lives from then to its last
+  reader.
   """
 
   def __init__(self, program, mesh, hardware: Hardware | str, order: Sequence[str] | None = None,
