@@ -23,7 +23,8 @@ install: $(STAMP)
 demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/shardzero train --run-dir runs/demo --algorithm alphazero --actors 2 --steps 240 \
-	  --set pretrain_steps=200 --set learning_rate=3e-3 --set demonstrations=0.25 --eval-every 60
+	  --set pretrain_steps=200 --set pretrain_learning_rate=1e-2 --set learning_rate=3e-3 \
+	  --set demonstrations=0.25 --set ema_decay=0.9 --eval-every 60
 	$(VENV)/bin/shardzero plot runs/demo
 	$(VENV)/bin/shardzero propose unet:mini --mesh batch=4,model=2 --policy runs/demo
 	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo

@@ -65,6 +65,9 @@ def plot(run_dir: str, out: str) -> str:
     versions = [float(r["version"]) for r in evaluator]
     ax.plot(versions, [float(r["heldout_cost_ratio"]) for r in evaluator], "o-",
             label="mean over held-out models")
+    if "heldout_tight_cost_ratio" in evaluator[0]:
+      ax.plot(versions, [float(r["heldout_tight_cost_ratio"]) for r in evaluator], "^-",
+              label="mean over held-out models, tight budget")
     if "train_cost_ratio" in evaluator[0]:
       ax.plot(versions, [float(r["train_cost_ratio"]) for r in evaluator], "s--",
               label="mean over train models")

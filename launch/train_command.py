@@ -17,11 +17,12 @@ HELP = "train a partitioning policy with distributed actors and a learner over R
 
 DESCRIPTION = """\
 Trains a graph-network policy to choose tactics. The local launcher starts, as processes on
-this machine: a Reverb server (the trajectory table and a one-item parameter table), a learner
+this machine: a Reverb server (the trajectory table and one-item parameter tables), a learner
 (samples, updates, publishes parameters, checkpoints to RUN_DIR every --checkpoint-every
 updates), --actors actor processes (each plays tasks from the corpus' train split at --preset
 over --meshes and writes experience through a Reverb adder) and an evaluator (plays the greedy
-policy on the held-out split and logs its step time over the best expert strategy's).
+policy on the held-out split, at the device's memory and at a tight budget, and logs its step
+time over the best expert strategy's).
 
 Algorithms:
   ppo        clipped-surrogate PPO with GAE on sequences (a queue: on-policy)
@@ -31,8 +32,11 @@ Algorithms:
              returns (uniform replay with a sample-to-insert rate limiter).
              Expert demonstrations: --set pretrain_steps=N clones the corpus' best expert
              strategies on the train split for the first N updates (actors wait for
-             them); --set demonstrations=F has actors replay the best expert in that
-             share of their episodes.
+             them), at --set pretrain_learning_rate=R if given (cloning is slow at
+             the learning rate that suits search targets); --set demonstrations=F has
+             actors replay the best expert in that share of their episodes.
+  both       --set ema_decay=D (e.g. 0.99) keeps a moving average of the parameters,
+             which the evaluator and 'propose' play (actors keep the latest).
 
 Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
 Ctrl-C or the death of any process stops all of them (the one that died is named); the

@@ -81,11 +81,19 @@ class RunConfig:
     return TaskDistribution(models, meshes=self.meshes, hardware=(self.hardware,),
                             budget_fractions=self.budget_fractions)
 
-  def heldout_tasks(self):
+  def heldout_tasks(self, tight: bool = False):
+    """The held-out models on the evaluation mesh, at the device's memory; with `tight`, at the
+    first tight budget fraction the run trains with (none if it trains with none)."""
     import corpus
     from environments import Task
+    from environments.tasks import tight_budget
     models = self.heldout or [f"{name}:{self.preset}" for name in corpus.split("heldout")]
-    return [Task(model, self.eval_mesh, self.hardware) for model in models]
+    tasks = [Task(model, self.eval_mesh, self.hardware) for model in models]
+    if not tight:
+      return tasks
+    fractions = [f for f in self.budget_fractions if f is not None]
+    return [dataclasses.replace(t, memory_budget=tight_budget(t, fractions[0]))
+            for t in tasks] if fractions else []
 
   def train_eval_tasks(self):
     """The training models on the evaluation mesh: what the policy learned from, as a
@@ -156,7 +164,7 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   """Updates until `config.steps`, publishing parameters after every update and checkpointing
   every `checkpoint_every` updates and on the way out. Returns the updates done."""
   from agents.counting import Counter
-  from agents.learned.variable_client import publish
+  from agents.learned.variable_client import AVERAGE_TABLE, publish
   from agents.loggers import CSVLogger
   from learners import checkpointing
   _stop_on_sigterm()
@@ -194,11 +202,17 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
     checkpointing.save(path, {"learner": learner.save(), "config": dataclasses.asdict(config)})
 
   tb = _tensorboard(run_dir, "learner")
-  publish(client, learner.get_variables(["policy"])[0], learner.version)
+
+  def publish_all():
+    publish(client, learner.get_variables(["policy"])[0], learner.version)
+    if builder.evaluation_variables == "average":
+      publish(client, learner.get_variables(["average"])[0], learner.version, AVERAGE_TABLE)
+
+  publish_all()
   try:
     while learner.version < config.steps:
       metrics = learner.step()
-      publish(client, learner.get_variables(["policy"])[0], learner.version)
+      publish_all()
       tb(learner.version, metrics)
       if learner.version % config.checkpoint_every == 0:
         save()
@@ -300,18 +314,22 @@ def evaluate_policy(policy_params, networks, tasks, env_config, experts: dict) -
 def run_evaluator(config: RunConfig, run_dir: str, address: str,
                   rounds: Optional[int] = None) -> None:
   """Every `eval_every_s`, plays the greedy policy on the held-out tasks and logs the mean
-  ratio of its step time to the best expert strategy's (lower is better; 1 is parity), and the
-  same mean over the training models."""
-  from agents.learned.variable_client import ReverbVariableSource
+  ratio of its step time to the best expert strategy's (lower is better; 1 is parity); the
+  same at a tight memory budget, where the best expert is the fastest that fits and a policy
+  counts as within 10% only if it fits too; and the mean over the training models. It plays
+  the parameter average where the learner keeps one, as `propose` does."""
+  from agents.learned.variable_client import AVERAGE_TABLE, PARAMS_TABLE, ReverbVariableSource
   from agents.loggers import CSVLogger
   _stop_on_sigterm()
   builder = config.builder()
   client = _client(address)
   networks = builder.make_networks()
-  source = ReverbVariableSource(client, builder.params_treedef(networks))
+  table = AVERAGE_TABLE if builder.evaluation_variables == "average" else PARAMS_TABLE
+  source = ReverbVariableSource(client, builder.params_treedef(networks), table)
   logger = CSVLogger(os.path.join(run_dir, "logs"), "evaluator")
   tb = _tensorboard(run_dir, "evaluator")
   experts: dict = {}
+  tight_tasks = config.heldout_tasks(tight=True)
   done = 0
   try:
     while rounds is None or done < rounds:
@@ -328,6 +346,13 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
                 "heldout_fits": float(np.mean([f for _, f in result.values()])),
                 "train_cost_ratio": float(np.mean([r for r, _ in train.values()])),
                 **{f"ratio_{m.split(':')[0]}": r for m, (r, _) in result.items()}}
+      if tight_tasks:
+        tight = evaluate_policy(params, networks, tight_tasks, config.env_config(), experts)
+        record.update({
+            "heldout_tight_cost_ratio": float(np.mean([r for r, _ in tight.values()])),
+            "heldout_tight_within_10pct": float(np.mean([r <= 1.1 and f
+                                                         for r, f in tight.values()])),
+            "heldout_tight_fits": float(np.mean([f for _, f in tight.values()]))})
       logger.write(record)
       tb(version, record)
       done += 1

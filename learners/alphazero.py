@@ -37,14 +37,18 @@ class AlphaZeroConfig:
   prior_mix: float = 0.25          # actors search with this share of the heuristic prior
   demonstrations: float = 0.0      # share of actor episodes that replay the best expert
   pretrain_steps: int = 0          # first updates clone the experts of the train split
+  pretrain_learning_rate: float = 0.0  # during those updates (0: learning_rate)
   replay_size: int = 2000
   samples_per_insert: float = 4.0  # how often each step is used, on average
   min_replay_size: int = 32
+  ema_decay: float = 0.0           # evaluation and propose read a moving average of the params
 
   def __post_init__(self):
     if self.policy_target not in POLICY_TARGETS:
       raise ValueError(f"unknown policy_target {self.policy_target!r}; "
                        f"choose from {', '.join(POLICY_TARGETS)}")
+    if not 0.0 <= self.ema_decay < 1.0:
+      raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
 
 
 def alphazero_loss(networks: Networks, config: AlphaZeroConfig):

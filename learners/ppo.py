@@ -34,6 +34,11 @@ class PPOConfig:
   batch_size: int = 4           # sequences per batch
   sequence_length: int = 8      # actions per sequence (T); items hold T+1 steps
   queue_size: int = 8           # sequences the queue holds before actors wait (policy lag)
+  ema_decay: float = 0.0        # evaluation and propose read a moving average of the params
+
+  def __post_init__(self):
+    if not 0.0 <= self.ema_decay < 1.0:
+      raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
 
 
 def ppo_loss(networks: Networks, config: PPOConfig):

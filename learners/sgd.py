@@ -3,6 +3,10 @@
 The update is a pure function `(TrainingState, batch) -> (TrainingState, metrics)` jitted once;
 only the learner object holds the state. The parameter version is the number of updates, so an
 actor that records it with its data lets the learner measure policy lag.
+
+With `ema_decay` > 0 the state also keeps an exponential moving average of the parameters
+(Polyak averaging). Actors keep searching with the latest parameters; evaluation and inference
+read the average, whose greedy choices do not flip with the noise of single updates.
 """
 
 from __future__ import annotations
@@ -27,22 +31,26 @@ class TrainingState(NamedTuple):
   params: Any
   opt_state: Any
   steps: jax.Array          # updates applied (the parameter version)
+  average: Any = None       # moving average of `params` (None: not kept)
 
 
 def make_update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
-                     epochs: int = 1):
-  """`epochs` gradient steps on one batch, as one pure function."""
+                     epochs: int = 1, ema_decay: float = 0.0):
+  """`epochs` gradient steps on one batch, then the parameter average, as one pure function."""
 
   def one(state: TrainingState, batch):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
-    return TrainingState(params, opt_state, state.steps), metrics
+    return state._replace(params=params, opt_state=opt_state), metrics
 
   def update(state: TrainingState, batch):
     state, metrics = jax.lax.scan(lambda s, _: one(s, batch), state, None, length=epochs)
     metrics = jax.tree_util.tree_map(lambda m: m[-1], metrics)
+    if ema_decay:
+      state = state._replace(average=optax.incremental_update(state.params, state.average,
+                                                              1.0 - ema_decay))
     return state._replace(steps=state.steps + 1), metrics
 
   return update
@@ -50,16 +58,21 @@ def make_update_step(loss_fn: LossFn, optimizer: optax.GradientTransformation,
 
 class SGDLearner(Learner):
   """Steps `update` on batches of `iterator`; serves `policy` variables; saves and restores its
-  `TrainingState` with the counter's counts."""
+  `TrainingState` with the counter's counts. Variables: "policy" (the latest parameters) and
+  "average" (their moving average; the latest parameters where none is kept)."""
 
   def __init__(self, params, loss_fn: LossFn, optimizer: optax.GradientTransformation,
-               iterator: Iterator[dict], *, epochs: int = 1, counter: Optional[Counter] = None,
-               logger: Optional[Logger] = None,
+               iterator: Iterator[dict], *, epochs: int = 1, ema_decay: float = 0.0,
+               counter: Optional[Counter] = None, logger: Optional[Logger] = None,
                on_batch: Optional[Callable[[dict, int], tuple[dict, dict]]] = None):
+    if not 0.0 <= ema_decay < 1.0:
+      raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
     self._iterator = iterator
-    self._update = jax.jit(make_update_step(loss_fn, optimizer, epochs))
+    self._ema_decay = ema_decay
+    self._update = jax.jit(make_update_step(loss_fn, optimizer, epochs, ema_decay))
     self._loss = jax.jit(lambda params, batch: loss_fn(params, batch)[0])
-    self._state = TrainingState(params, optimizer.init(params), jnp.zeros((), jnp.int32))
+    self._state = TrainingState(params, optimizer.init(params), jnp.zeros((), jnp.int32),
+                                params if ema_decay else None)
     self._counter = counter or Counter()
     self._logger = logger or TerminalLogger("learner", time_delta=10.0)
     self._on_batch = on_batch      # (batch, version) -> (batch, metrics): policy lag...
@@ -91,13 +104,22 @@ class SGDLearner(Learner):
     return float(self._loss(self._state.params, batch))
 
   def get_variables(self, names):
-    return [self._state.params for _ in names]
+    unknown = set(names) - {"policy", "average"}
+    if unknown:
+      raise KeyError(f"unknown variables {sorted(unknown)}; this learner has policy, average")
+    state = self._state
+    return [state.average if name == "average" and state.average is not None else state.params
+            for name in names]
 
   def save(self) -> dict:
     return {"state": jax.tree_util.tree_map(np.asarray, self._state),
             "counts": self._counter.save()}
 
   def restore(self, saved: dict) -> None:
-    state = saved["state"]
-    self._state = TrainingState(*jax.tree_util.tree_map(jnp.asarray, tuple(state)))
+    state = TrainingState(*jax.tree_util.tree_map(jnp.asarray, tuple(saved["state"])))
+    if self._ema_decay and state.average is None:    # a run that kept no average until now
+      state = state._replace(average=state.params)
+    elif not self._ema_decay:
+      state = state._replace(average=None)
+    self._state = state
     self._counter.restore(saved["counts"])

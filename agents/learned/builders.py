@@ -20,7 +20,7 @@ import tree
 from agents.core import Actor, VariableSource
 from agents.learned import networks as networks_lib
 from agents.learned.actors import AlphaZeroActor, PolicyActor, make_policy
-from agents.learned.variable_client import PARAMS_TABLE, VariableClient
+from agents.learned.variable_client import AVERAGE_TABLE, PARAMS_TABLE, VariableClient
 from environments.observations import Sizes, observation_spec
 from learners.alphazero import AlphaZeroConfig, alphazero_loss
 from learners.ppo import PPOConfig, ppo_loss
@@ -103,24 +103,38 @@ class Builder(abc.ABC):
     return ReverbIterator(client, TRAJECTORY_TABLE, self.config.batch_size, self.item_template())
 
   def make_optimizer(self) -> optax.GradientTransformation:
+    """AdamW after global-norm clipping; at `pretrain_learning_rate` during the cloning
+    updates where one is set (the optimizer's own step count, checkpointed with it, switches)."""
     c = self.config
+    learning_rate = c.learning_rate
+    pretrain_rate = getattr(c, "pretrain_learning_rate", 0.0)
+    if pretrain_rate and getattr(c, "pretrain_steps", 0):
+      learning_rate = optax.piecewise_constant_schedule(
+          pretrain_rate, {c.pretrain_steps * c.epochs: c.learning_rate / pretrain_rate})
     return optax.chain(optax.clip_by_global_norm(c.max_gradient_norm),
-                       optax.adamw(c.learning_rate, weight_decay=getattr(c, "weight_decay", 0.0)))
+                       optax.adamw(learning_rate, weight_decay=getattr(c, "weight_decay", 0.0)))
 
   def make_learner(self, networks, params, iterator, counter=None, logger=None) -> SGDLearner:
     return SGDLearner(params, self.loss(networks), self.make_optimizer(), iterator,
-                      epochs=self.config.epochs, counter=counter, logger=logger,
-                      on_batch=_policy_lag)
+                      epochs=self.config.epochs, ema_decay=self.config.ema_decay,
+                      counter=counter, logger=logger, on_batch=_policy_lag)
 
   def make_policy(self, networks, evaluation: bool = False):
     return make_policy(networks, evaluation)
 
+  @property
+  def evaluation_variables(self) -> str:
+    """What the evaluator and `propose` play: the parameter average if the learner keeps one."""
+    return "average" if self.config.ema_decay else "policy"
+
   @staticmethod
-  def _params_table():
+  def _params_tables() -> list:
+    """One-item tables with the latest parameters and with their moving average."""
     import reverb
-    return reverb.Table(PARAMS_TABLE, sampler=reverb.selectors.Uniform(),
-                        remover=reverb.selectors.Fifo(), max_size=1,
-                        rate_limiter=reverb.rate_limiters.MinSize(1))
+    return [reverb.Table(name, sampler=reverb.selectors.Uniform(),
+                         remover=reverb.selectors.Fifo(), max_size=1,
+                         rate_limiter=reverb.rate_limiters.MinSize(1))
+            for name in (PARAMS_TABLE, AVERAGE_TABLE)]
 
 
 class PPOBuilder(Builder):
@@ -137,7 +151,7 @@ class PPOBuilder(Builder):
 
   def make_replay_tables(self) -> list:
     import reverb
-    return [reverb.Table.queue(TRAJECTORY_TABLE, self.config.queue_size), self._params_table()]
+    return [reverb.Table.queue(TRAJECTORY_TABLE, self.config.queue_size), *self._params_tables()]
 
   def make_adder(self, client):
     from agents.learned.reverb_adders import SequenceAdder
@@ -174,7 +188,7 @@ class AlphaZeroBuilder(Builder):
     table = reverb.Table(TRAJECTORY_TABLE, sampler=reverb.selectors.Uniform(),
                          remover=reverb.selectors.Fifo(), max_size=c.replay_size,
                          rate_limiter=limiter)
-    return [table, self._params_table()]
+    return [table, *self._params_tables()]
 
   def make_adder(self, client):
     from agents.learned.reverb_adders import ReturnAdder

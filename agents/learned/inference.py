@@ -36,7 +36,8 @@ class TrainedPolicy(NamedTuple):
 
 
 def load_policy(run_dir: str) -> TrainedPolicy:
-  """The policy checkpointed in a `shardzero train` run directory."""
+  """The policy checkpointed in a `shardzero train` run directory: the moving average of the
+  parameters where the learner kept one (what its evaluator played), else the latest."""
   path = os.path.join(run_dir, CONFIG)
   if not os.path.exists(path):
     raise ShardzeroError(f"{run_dir} is not a training run (no {CONFIG})")
@@ -46,7 +47,9 @@ def load_policy(run_dir: str) -> TrainedPolicy:
                          tuple(config.get("sizes", (4096, 8192, 512))), config.get("network"))
   networks = builder.make_networks()
   state = checkpointing.load(run_dir)["learner"]["state"]
-  params = state[0] if isinstance(state, tuple) else state.params
+  params = state[0]
+  if builder.evaluation_variables == "average" and len(state) > 3 and state[3] is not None:
+    params = state[3]
   shapes = lambda tree: jax.tree_util.tree_map(np.shape, tree)
   if shapes(params) != shapes(builder.init_params(networks)):
     raise checkpointing.CheckpointError(

@@ -1,6 +1,7 @@
 """Parameters between the learner and the actors: a one-item Reverb table holds the latest
 parameters with their version; actors pull them every `update_period` calls (Acme's
-`VariableClient`)."""
+`VariableClient`). A second one holds their moving average, which the evaluator reads when the
+learner keeps one."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from agents.core import VariableSource
 
 PARAMS_TABLE = "params"
+AVERAGE_TABLE = "average_params"
 
 
 def publish(client, params, version: int, table: str = PARAMS_TABLE) -> None:
@@ -38,13 +40,15 @@ class ReverbVariableSource(VariableSource):
 
 
 class LearnerVariableSource(VariableSource):
-  """The learner itself as a source (single-process runs and tests)."""
+  """The learner itself as a source (single-process runs and tests), serving its `variables`
+  ("policy" or "average") under any name."""
 
-  def __init__(self, learner):
-    self._learner = learner
+  def __init__(self, learner, variables: str = "policy"):
+    self._learner, self._variables = learner, variables
 
   def get_variables(self, names):
-    return [(self._learner.get_variables(["policy"])[0], self._learner.version) for _ in names]
+    params = self._learner.get_variables([self._variables])[0]
+    return [(params, self._learner.version) for _ in names]
 
 
 class VariableClient:

@@ -12,7 +12,7 @@ import tree
 
 from agents.environment_loop import EnvironmentLoop
 from agents.expert import best_expert, evaluate_experts
-from agents.learned.builders import AlphaZeroBuilder, PPOBuilder
+from agents.learned.builders import AlphaZeroBuilder, PPOBuilder, make_builder
 from agents.learned.networks import MASKED, make_networks
 from agents.learned.variable_client import (LearnerVariableSource, ReverbVariableSource,
                                             VariableClient, publish)
@@ -22,6 +22,7 @@ from environments.observations import Sizes
 from learners import checkpointing
 from learners.alphazero import AlphaZeroConfig
 from learners.ppo import PPOConfig
+from partitioner.errors import ShardzeroError
 
 SIZES = Sizes(256, 512, 128)
 TASK = Task("mlp:mini", "batch=4,model=2")
@@ -159,8 +160,6 @@ def test_demonstration_episodes_replay_the_best_expert_with_one_hot_targets(env)
 
 
 def test_unknown_settings_are_clear_errors():
-  from agents.learned.builders import make_builder
-  from partitioner.errors import ShardzeroError
   with pytest.raises(ShardzeroError, match="policy_target"):
     make_builder("alphazero", {"policy_target": "counts"})
   with pytest.raises(ShardzeroError, match="unknown alphazero settings"):
@@ -289,3 +288,68 @@ def test_learner_source_serves_current_version(env):
                                  logger=InMemoryLogger())
   params, version = LearnerVariableSource(learner).get_variables(["policy"])[0]
   assert version == 0 and dataclasses.is_dataclass(builder.config)
+
+
+def test_parameter_average_is_the_moving_average_and_what_propose_loads(tmp_path, env):
+  """With ema_decay the learner keeps avg <- d * avg + (1 - d) * params after every update;
+  it is checkpointed, survives a restore, and is what `load_policy` returns."""
+  from agents.learned.inference import load_policy
+  decay = 0.5
+  builder = AlphaZeroBuilder(AlphaZeroConfig(ema_decay=decay), SIZES)
+  assert builder.evaluation_variables == "average"
+  nets = builder.make_networks()
+  obs = env.reset().observation
+  batch = {"observation": jax.tree_util.tree_map(lambda x: np.stack([x] * 2), obs),
+           "visits": np.stack([obs["action_mask"] / obs["action_mask"].sum()] * 2)
+           .astype(np.float32), "return": np.ones(2, np.float32),
+           "version": np.zeros(2, np.int64)}
+  init = builder.init_params(nets)
+  learner = builder.make_learner(nets, init, iter([batch] * 10), logger=InMemoryLogger())
+  leaf = lambda tree: np.asarray(jax.tree_util.tree_leaves(tree)[-1], np.float64)
+  expected = leaf(init)
+  for _ in range(3):
+    learner.step()
+    expected = decay * expected + (1 - decay) * leaf(learner.get_variables(["policy"])[0])
+  average, latest = learner.get_variables(["average", "policy"])
+  np.testing.assert_allclose(leaf(average), expected, rtol=1e-5, atol=1e-7)
+  assert not np.allclose(leaf(average), leaf(latest))
+  assert LearnerVariableSource(learner, "average").get_variables(["x"])[0][1] == 3
+  with pytest.raises(KeyError, match="unknown variables"):
+    learner.get_variables(["target"])
+  checkpointing.save(str(tmp_path / checkpointing.FILENAME), {"learner": learner.save()})
+  (tmp_path / "config.json").write_text(json.dumps(
+      {"algorithm": "alphazero", "sizes": list(SIZES), "settings": {"ema_decay": decay}}))
+  np.testing.assert_allclose(leaf(load_policy(str(tmp_path)).params), leaf(average))
+  fresh = builder.make_learner(nets, builder.init_params(nets, seed=1), iter([batch]),
+                               logger=InMemoryLogger())
+  fresh.restore(checkpointing.load(str(tmp_path))["learner"])
+  np.testing.assert_allclose(leaf(fresh.get_variables(["average"])[0]), leaf(average))
+  # Without an average the latest parameters are served under both names and loaded.
+  plain = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
+  assert plain.evaluation_variables == "policy"
+  plain_learner = plain.make_learner(nets, init, iter([batch]), logger=InMemoryLogger())
+  plain_learner.restore(checkpointing.load(str(tmp_path))["learner"])
+  average, latest = plain_learner.get_variables(["average", "policy"])
+  np.testing.assert_allclose(leaf(average), leaf(latest))
+  with pytest.raises(ShardzeroError, match="ema_decay"):
+    make_builder("alphazero", {"ema_decay": 1.0})
+
+
+def test_cloning_updates_use_the_pretrain_learning_rate():
+  """Adam's first steps move each parameter by about the learning rate: the pretrain rate for
+  the first `pretrain_steps` updates, then the search-phase rate."""
+  import jax.numpy as jnp
+  builder = make_builder("alphazero", {"pretrain_steps": 2, "pretrain_learning_rate": 0.5,
+                                       "learning_rate": 1e-3, "weight_decay": 0.0})
+  optimizer = builder.make_optimizer()
+  params = {"w": jnp.ones(3)}
+  state = optimizer.init(params)
+  sizes = []
+  for _ in range(4):
+    updates, state = optimizer.update({"w": jnp.full(3, 0.1)}, state, params)
+    sizes.append(float(jnp.abs(updates["w"][0])))
+  np.testing.assert_allclose(sizes, [0.5, 0.5, 1e-3, 1e-3], rtol=1e-3)
+  plain = make_builder("alphazero", {"pretrain_steps": 2, "learning_rate": 1e-3,
+                                     "weight_decay": 0.0}).make_optimizer()
+  updates, _ = plain.update({"w": jnp.full(3, 0.1)}, plain.init(params), params)
+  np.testing.assert_allclose(float(jnp.abs(updates["w"][0])), 1e-3, rtol=1e-3)

@@ -16,7 +16,7 @@ from tests.launch.test_cli import run
 CONFIG = RunConfig(models=("mlp:mini",), heldout=("mlp:mini",), meshes=("batch=4,model=2",),
                    budget_fractions=(None,), max_steps=4, steps=3, actors=1,
                    sizes=(256, 512, 128), variable_update_period=2,
-                   settings={"batch_size": 2, "sequence_length": 2})
+                   settings={"batch_size": 2, "sequence_length": 2, "ema_decay": 0.5})
 
 
 def _train(run_dir, address, *extra, timeout=400):
@@ -37,8 +37,9 @@ def trained(tmp_path_factory):
   first = _train(run_dir, address, "--resume")
   versions = [int(np.asarray(next(client.sample("params", emit_timesteps=False)).data[-1])[0])]
   second = _train(run_dir, address, "--resume", "--steps", "5")
-  versions.append(int(np.asarray(next(client.sample("params", emit_timesteps=False))
-                                 .data[-1])[0]))
+  for table in ("params", "average_params"):
+    versions.append(int(np.asarray(next(client.sample(table, emit_timesteps=False))
+                                   .data[-1])[0]))
   server.stop()
   return run_dir, first, second, versions
 
@@ -53,7 +54,7 @@ def test_two_processes_train_publish_versions_and_resume_without_loss(trained):
   run_dir, first, second, versions = trained
   assert first.returncode == 0, first.stderr[-2000:]
   assert second.returncode == 0, second.stderr[-2000:]
-  assert versions == [3, 5]
+  assert versions == [3, 5, 5]     # the parameter average is published with the parameters
   learner = _rows(run_dir / "logs" / "learner.csv")
   assert [int(float(r["steps"])) for r in learner] == [1, 2, 3, 4, 5]
   assert all(float(r["policy_lag"]) >= 0 for r in learner)
@@ -229,20 +230,25 @@ def test_actors_wait_for_the_cloning_to_end(tmp_path):
 
 def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   """One evaluation round over Reverb: the greedy policy's step time over the best expert's,
-  per held-out model and as means over the held-out and the train models."""
+  per held-out model and as means over the held-out and the train models, and at a tight
+  budget. It plays the parameter average (the run keeps one), not the latest parameters."""
   import dataclasses
   import signal
   from agents.expert import best_expert, evaluate_experts
   import jax
-  from agents.learned.variable_client import publish
+  from agents.learned.variable_client import AVERAGE_TABLE, publish
   from environments import PartitioningEnv
+  from environments.tasks import data_parallel_peak
   from launch.training import run_evaluator
-  config = dataclasses.replace(CONFIG, models=("gnn:mini",), eval_every_s=0.0)
+  config = dataclasses.replace(CONFIG, models=("gnn:mini",), eval_every_s=0.0,
+                               budget_fractions=(None, 0.5))
   builder = config.builder()
   server = reverb.Server(builder.make_replay_tables())
   networks = builder.make_networks()
   params = builder.init_params(networks)
-  publish(reverb.Client(f"localhost:{server.port}"), params, 4)
+  client = reverb.Client(f"localhost:{server.port}")
+  publish(client, jax.tree_util.tree_map(lambda x: x + 1, params), 3)
+  publish(client, params, 4, AVERAGE_TABLE)
   handler = signal.getsignal(signal.SIGTERM)
   try:
     run_evaluator(config, str(tmp_path), f"localhost:{server.port}", rounds=1)
@@ -252,13 +258,25 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   row, = _rows(tmp_path / "logs" / "evaluator.csv")
   assert int(float(row["version"])) == 4
   assert float(row["heldout_cost_ratio"]) == float(row["ratio_mlp"])
+  policy = builder.make_policy(networks, evaluation=True)
+
+  def greedy(task):
+    """(step time / best expert's, fits) of an independent greedy episode."""
+    env = PartitioningEnv(task, config=config.env_config())
+    ts = env.reset()
+    while not ts.last():
+      ts = env.step(int(policy(params, jax.random.PRNGKey(0), ts.observation)[0]))
+    expert = best_expert(evaluate_experts(env.restart_clone()))
+    return (env.cost.step_time_s / expert.cost.step_time_s,
+            env.cost.peak_memory_bytes <= task.memory_budget if task.memory_budget else True)
+
   train, = config.train_eval_tasks()
   assert train.model == "gnn:mini" and train.mesh == config.eval_mesh
-  policy = builder.make_policy(networks, evaluation=True)
-  env = PartitioningEnv(train, config=config.env_config())
-  ts = env.reset()
-  while not ts.last():
-    ts = env.step(int(policy(params, jax.random.PRNGKey(0), ts.observation)[0]))
-  expert = best_expert(evaluate_experts(env.restart_clone()))
-  assert np.isclose(float(row["train_cost_ratio"]),
-                    env.cost.step_time_s / expert.cost.step_time_s)
+  assert np.isclose(float(row["train_cost_ratio"]), greedy(train)[0])
+  tight, = config.heldout_tasks(tight=True)
+  full, = config.heldout_tasks()
+  assert tight.model == full.model and tight.memory_budget < data_parallel_peak(full)
+  ratio, fits = greedy(tight)
+  assert np.isclose(float(row["heldout_tight_cost_ratio"]), ratio)
+  assert float(row["heldout_tight_fits"]) == float(fits)
+  assert float(row["heldout_tight_within_10pct"]) == float(fits and ratio <= 1.1)
