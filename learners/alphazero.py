@@ -49,6 +49,8 @@ class AlphaZeroConfig:
                        f"choose from {', '.join(POLICY_TARGETS)}")
     if not 0.0 <= self.ema_decay < 1.0:
       raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+    if self.pretrain_learning_rate < 0:
+      raise ValueError(f"pretrain_learning_rate must be >= 0, got {self.pretrain_learning_rate}")
 
 
 def alphazero_loss(networks: Networks, config: AlphaZeroConfig):

@@ -164,6 +164,8 @@ def test_unknown_settings_are_clear_errors():
     make_builder("alphazero", {"policy_target": "counts"})
   with pytest.raises(ShardzeroError, match="unknown alphazero settings"):
     make_builder("alphazero", {"learning_rte": 1e-3})
+  with pytest.raises(ShardzeroError, match="pretrain_learning_rate"):
+    make_builder("alphazero", {"pretrain_learning_rate": -1e-2})
 
 
 def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
