@@ -43,8 +43,7 @@ def evaluate_experts(env: PartitioningEnv) -> list[ExpertResult]:
     except ShardzeroError as e:
       out.append(ExpertResult(name, schedule, (), None, None, None, str(e)))
       continue
-    out.append(ExpertResult(name, schedule, actions, trial.cost, trial.score(),
-                            trial.cost.peak_memory_bytes <= trial.context.budget))
+    out.append(ExpertResult(name, schedule, actions, trial.cost, trial.score(), trial.fits))
   return out
 
 

@@ -32,7 +32,7 @@ WITHIN = 1.10
 
 def _outcome(env, expert_time) -> tuple[float, bool]:
   """(step time / the expert's, whether the peak memory fits the task's budget)."""
-  return env.cost.step_time_s / expert_time, env.cost.peak_memory_bytes <= env.context.budget
+  return env.cost.step_time_s / expert_time, env.fits
 
 
 def _mcts(env, budget, expert_time, policy=None) -> tuple[float, bool]:

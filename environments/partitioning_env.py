@@ -293,6 +293,11 @@ class PartitioningEnv(dm_env.Environment):
       raise InvalidActionError(f"{text!r} is not an action of task {ctx.task}")
     return ctx.index[key]
 
+  @property
+  def fits(self) -> bool:
+    """Whether the current state's peak memory is within the task's budget."""
+    return self.cost.peak_memory_bytes <= self._context().budget
+
   def penalty(self, info: StateInfo | None = None) -> float:
     info = info or self._state()
     over = info.cost.peak_memory_bytes / self._ctx.budget - 1.0

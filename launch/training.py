@@ -287,7 +287,7 @@ class _EpisodeRecord:
         "steps_per_second": data["steps_per_second"], "time": time.time(),
         "version": getattr(client, "version", -1),
         "cost_ratio": self._env.cost.step_time_s / ctx.root.cost.step_time_s,
-        "fits": float(self._env.cost.peak_memory_bytes <= ctx.budget)})
+        "fits": float(self._env.fits)})
 
 
 def evaluate_policy(policy_params, networks, tasks, env_config, experts: dict) -> dict:
@@ -306,8 +306,7 @@ def evaluate_policy(policy_params, networks, tasks, env_config, experts: dict) -
     while not ts.last():
       action, _, _ = policy(policy_params, jax.random.PRNGKey(0), ts.observation)
       ts = env.step(int(action))
-    fits = env.cost.peak_memory_bytes <= env.context.budget
-    out[task.model] = (env.cost.step_time_s / experts[task].step_time_s, fits)
+    out[task.model] = (env.cost.step_time_s / experts[task].step_time_s, env.fits)
   return out
 
 

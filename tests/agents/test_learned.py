@@ -235,14 +235,19 @@ def test_variable_client_pulls_published_versions_through_reverb():
     server.stop()
 
 
+def _uniform_targets_batch(obs, ret: float) -> dict:
+  """Two copies of `obs` with a uniform policy target over its legal actions, as replay
+  would batch AlphaZero items."""
+  return {"observation": jax.tree_util.tree_map(lambda x: np.stack([x] * 2), obs),
+          "visits": np.stack([obs["action_mask"] / obs["action_mask"].sum()] * 2)
+          .astype(np.float32), "return": np.full(2, ret, np.float32),
+          "version": np.zeros(2, np.int64)}
+
+
 def test_checkpoint_round_trip_and_damage(tmp_path, env):
   builder = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
   nets = builder.make_networks()
-  obs = env.reset().observation
-  batch = {"observation": jax.tree_util.tree_map(lambda x: np.stack([x] * 2), obs),
-           "visits": np.stack([obs["action_mask"] / obs["action_mask"].sum()] * 2)
-           .astype(np.float32), "return": np.zeros(2, np.float32),
-           "version": np.zeros(2, np.int64)}
+  batch = _uniform_targets_batch(env.reset().observation, ret=0.0)
   learner = builder.make_learner(nets, builder.init_params(nets), iter([batch] * 5),
                                  logger=InMemoryLogger())
   learner.step(), learner.step()
@@ -300,11 +305,7 @@ def test_parameter_average_is_the_moving_average_and_what_propose_loads(tmp_path
   builder = AlphaZeroBuilder(AlphaZeroConfig(ema_decay=decay), SIZES)
   assert builder.evaluation_variables == "average"
   nets = builder.make_networks()
-  obs = env.reset().observation
-  batch = {"observation": jax.tree_util.tree_map(lambda x: np.stack([x] * 2), obs),
-           "visits": np.stack([obs["action_mask"] / obs["action_mask"].sum()] * 2)
-           .astype(np.float32), "return": np.ones(2, np.float32),
-           "version": np.zeros(2, np.int64)}
+  batch = _uniform_targets_batch(env.reset().observation, ret=1.0)
   init = builder.init_params(nets)
   learner = builder.make_learner(nets, init, iter([batch] * 10), logger=InMemoryLogger())
   leaf = lambda tree: np.asarray(jax.tree_util.tree_leaves(tree)[-1], np.float64)

@@ -251,7 +251,10 @@ def test_task_distribution_from_split_and_budgets():
   assert sampled.memory_budget == int(low + 0.5 * (high - low))
   env = PartitioningEnv(sampled)
   env.reset()
+  assert not env.fits and env.cost.peak_memory_bytes > sampled.memory_budget
   results = evaluate_experts(env)
+  assert all(r.fits == (r.cost.peak_memory_bytes <= sampled.memory_budget)
+             for r in results if r.cost is not None)
   assert not next(r for r in results if r.name == "dp").fits
   assert any(r.fits for r in results)
   assert tight.tasks() == [sampled]
