@@ -38,6 +38,7 @@ bench: install
 	$(PY) benchmarks/bench_partitioner.py
 	$(PY) benchmarks/bench_cost_model.py
 	$(PY) benchmarks/bench_environment.py
+	$(PY) benchmarks/bench_actor.py
 	@if [ -f runs/demo/checkpoint.pkl ]; then $(PY) benchmarks/bench_policy.py --policy runs/demo; \
 	else echo "bench_policy: no trained policy in runs/demo (run 'make demo' first)"; fi
 

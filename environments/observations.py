@@ -184,6 +184,11 @@ class StaticGraph:
     self.static_globals = np.concatenate([g, program_features(program, work, roles)])
     self._rows: dict = {}
 
+  def empty_sharding(self) -> np.ndarray:
+    """Sharding features of every value, nothing sharded. States keep them unpadded and as
+    bytes (they are 0 or 1); the padded float32 rows exist only in an observation."""
+    return np.zeros((len(self.program.values), SHARDING_FEATURES), np.uint8)
+
   def sharding_rows(self, dims_list: Sequence, ids: Sequence[int], decided: Sequence[bool],
                     into: np.ndarray) -> None:
     """Writes the sharding features of values `ids` (one-hot dim x axis, decided flag)."""
@@ -192,7 +197,7 @@ class StaticGraph:
       key = (dims_list[vid], flag)
       row = rows.get(key)
       if row is None:
-        row = np.zeros(SHARDING_FEATURES, np.float32)
+        row = np.zeros(SHARDING_FEATURES, np.uint8)
         for d, axes in enumerate(key[0]):
           for a in axes:
             row[min(d, MAX_RANK - 1) * MAX_AXES + self.axis_index[a]] = 1
@@ -201,8 +206,11 @@ class StaticGraph:
       into[vid] = row
 
   def observation(self, sharding: np.ndarray, mask: np.ndarray, dynamic: Sequence[float]) -> dict:
+    """`sharding`: the state's rows from `empty_sharding`/`sharding_rows`."""
+    padded = np.zeros((self.sizes.nodes, SHARDING_FEATURES), np.float32)
+    padded[:len(sharding)] = sharding
     return {
-        "node_kind": self.node_kind, "nodes": self.nodes, "node_sharding": sharding,
+        "node_kind": self.node_kind, "nodes": self.nodes, "node_sharding": padded,
         "node_mask": self.node_mask, "senders": self.senders, "receivers": self.receivers,
         "edge_direction": self.edge_direction, "edge_mask": self.edge_mask,
         "actions": self.actions, "action_node": self.action_node, "action_mask": mask,

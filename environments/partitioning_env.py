@@ -29,7 +29,7 @@ from dm_env import specs
 
 from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
                                   decision_points, tile_problem)
-from environments.observations import SHARDING_FEATURES, Sizes, StaticGraph, observation_spec
+from environments.observations import Sizes, StaticGraph, observation_spec
 from environments.tasks import Task, TaskDistribution, load_program
 from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
@@ -97,7 +97,7 @@ class TaskContext:
   def _make(self, pp: PartitionedProgram, parent: StateInfo | None) -> StateInfo:
     state = pp.state
     if parent is None:
-      sharding = np.zeros((self.graph.sizes.nodes, SHARDING_FEATURES), np.float32)
+      sharding = self.graph.empty_sharding()
       changed = range(len(self.program.values))
     else:
       sharding = parent.sharding.copy()
@@ -127,6 +127,17 @@ class TaskContext:
         mask[i] = check_tactic(action.tactic, state, len(pp.schedule)) is None
     return mask
 
+  def with_budget(self, task: Task) -> "TaskContext":
+    """This context for `task`, the same task at another memory budget. The budget only enters
+    the reward and the observation's globals, so the states, their cache and the static arrays
+    are shared: the tight-budget variant of a training task costs nothing to set up."""
+    if dataclasses.replace(task, memory_budget=None) != dataclasses.replace(
+        self.task, memory_budget=None):
+      raise ShardzeroError(f"{task} is not {self.task} at another budget")
+    new = copy.copy(self)
+    new.task, new.budget = task, task.memory_budget or self.hardware.hbm_bytes
+    return new
+
   def problem(self, info: StateInfo, index: int) -> str:
     """Why action `index` is masked in `info`."""
     if index not in info.problems:
@@ -143,10 +154,21 @@ class TaskContext:
     return info.problems[index]
 
 
-@functools.lru_cache(maxsize=8)
 def task_context(task: Task, pad_to: Sizes | None = None) -> TaskContext:
-  """The shared context of a task (the last few tasks are kept, with their cached states)."""
+  """The shared context of a task, with its cached states. Enough are kept for every task of
+  a training distribution (an actor that rebuilt them would lose the states its searches
+  revisit), and the budgets of one task share one context."""
+  return _task_context(task, pad_to)
+
+
+@functools.lru_cache(maxsize=64)
+def _task_context(task: Task, pad_to: Sizes | None) -> TaskContext:
+  if task.memory_budget is not None:
+    return _task_context(dataclasses.replace(task, memory_budget=None), pad_to).with_budget(task)
   return TaskContext(task, pad_to)
+
+
+task_context.cache_clear = _task_context.cache_clear   # as if task_context were the lru_cache
 
 
 @dataclasses.dataclass(frozen=True)

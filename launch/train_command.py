@@ -39,8 +39,9 @@ Algorithms:
              which the evaluator and 'propose' play (actors keep the latest).
 
 Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
-Ctrl-C or the death of any process stops all of them (the one that died is named); the
-checkpoint keeps parameters, optimizer state and counters, and --resume continues the run.
+Ctrl-C, SIGTERM (kill, a scheduler's preemption) or the death of any process stops all of
+them (the one that died is named); the checkpoint keeps parameters, optimizer state and
+counters, and --resume continues the run.
 
 Across machines: start '--role replay --port P' on one machine, then on any machine
 '--role learner|actor|evaluator --reverb HOST:P --run-dir DIR' (actors take --actor-id). The
@@ -186,34 +187,49 @@ class _Process:
       self.popen.send_signal(sig)
 
 
+def _stop(procs: list[_Process], timeout_s: float = 20.0) -> None:
+  """SIGTERM to each, then SIGKILL to those still running after `timeout_s`."""
+  for p in procs:
+    p.stop()
+  deadline = time.time() + timeout_s
+  for p in procs:
+    try:
+      p.popen.wait(timeout=max(0.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+      p.stop(signal.SIGKILL)
+      p.popen.wait()
+
+
 def launch(config, args) -> int:
-  """Starts every role as a process, shows progress, stops all on Ctrl-C, when the learner is
-  done, or when any process dies."""
+  """Starts every role as a process, shows progress, stops all on Ctrl-C or SIGTERM, when the
+  learner is done, or when any process dies."""
   from launch import progress
+  from launch.training import stop_on_sigterm
+  stop_on_sigterm()      # `kill`, a scheduler's preemption: stop every role as Ctrl-C does
   run_dir = args.run_dir
   logs = os.path.join(run_dir, "logs")
   os.makedirs(logs, exist_ok=True)
   base = [sys.executable, "-m", "launch.cli", "train", "--run-dir", run_dir]
   procs: list[_Process] = []
-  address = args.reverb
-  if address is None:
-    port = _free_port()
-    address = f"localhost:{port}"
-    procs.append(_Process("replay", base + ["--role", "replay", "--port", str(port)],
-                          os.path.join(logs, "replay.log")))
-  learner = _Process("learner", base + ["--role", "learner", "--reverb", address] +
-                     (["--resume"] if args.resume else []), os.path.join(logs, "learner.log"))
-  procs.append(learner)
-  for i in range(config.actors):
-    procs.append(_Process(f"actor {i}", base + ["--role", "actor", "--reverb", address,
-                                                "--actor-id", str(i)],
-                          os.path.join(logs, f"actor_{i}.log")))
-  if not args.no_evaluator:
-    procs.append(_Process("evaluator", base + ["--role", "evaluator", "--reverb", address],
-                          os.path.join(logs, "evaluator.log")))
   failed = None
   interrupted = False
   try:
+    address = args.reverb
+    if address is None:
+      port = _free_port()
+      address = f"localhost:{port}"
+      procs.append(_Process("replay", base + ["--role", "replay", "--port", str(port)],
+                            os.path.join(logs, "replay.log")))
+    learner = _Process("learner", base + ["--role", "learner", "--reverb", address] +
+                       (["--resume"] if args.resume else []), os.path.join(logs, "learner.log"))
+    procs.append(learner)
+    for i in range(config.actors):
+      procs.append(_Process(f"actor {i}", base + ["--role", "actor", "--reverb", address,
+                                                  "--actor-id", str(i)],
+                            os.path.join(logs, f"actor_{i}.log")))
+    if not args.no_evaluator:
+      procs.append(_Process("evaluator", base + ["--role", "evaluator", "--reverb", address],
+                            os.path.join(logs, "evaluator.log")))
     with progress.TrainingProgress(run_dir, config) as bar:
       while True:
         bar.refresh()
@@ -231,17 +247,11 @@ def launch(config, args) -> int:
     interrupted = True
   finally:
     # The learner first, while actors still feed it (it checkpoints on SIGTERM once its sample
-    # returns), then actors and evaluator, then replay.
-    order = [p for p in procs if p.name == "learner"] + \
-            [p for p in procs if p.name not in ("learner", "replay")] + \
-            [p for p in procs if p.name == "replay"]
-    for p in order:
-      p.stop()
-      try:
-        p.popen.wait(timeout=20)
-      except subprocess.TimeoutExpired:
-        p.stop(signal.SIGKILL)
-        p.popen.wait()
+    # returns); then the Reverb server, whose end fails the calls that actors waiting for the
+    # learner are blocked in; then actors and evaluator together.
+    _stop([p for p in procs if p.name == "learner"])
+    _stop([p for p in procs if p.name == "replay"])
+    _stop([p for p in procs if p.name not in ("learner", "replay")])
   if failed is not None:
     print(f"shardzero train: the {failed.name} process exited with code "
           f"{failed.popen.returncode}; stopped the others. Last lines of {failed.log_path}:\n"

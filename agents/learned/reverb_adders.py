@@ -20,6 +20,22 @@ def _zeros_like(step):
   return tree.map_structure(np.zeros_like, step)
 
 
+def _end_episode(writer, slice_ms: int = 1000) -> None:
+  """`writer.end_episode()`, waiting for the table's rate limiter a second at a time: a wait
+  in Reverb's C++ never returns to Python, so a signal (Ctrl-C, the launcher's SIGTERM) could
+  not stop an actor whose learner has gone."""
+  from reverb import errors
+  try:
+    writer.end_episode(clear_buffers=True, timeout_ms=slice_ms)
+  except errors.DeadlineExceededError:       # the episode has ended; its items are pending
+    while True:
+      try:
+        writer.flush(timeout_ms=slice_ms)
+        return
+      except errors.DeadlineExceededError:
+        pass
+
+
 class SequenceAdder(Adder):
   """Items of `sequence_length + 1` steps, consecutive items sharing one step.
 
@@ -59,7 +75,7 @@ class SequenceAdder(Adder):
       self._append(final)
       while (self._steps - 1) % self._length:     # pad the last sequence to full length
         self._append(self._template)
-      self._writer.end_episode(clear_buffers=True)
+      _end_episode(self._writer)
       self._observation, self._steps = None, 0
 
   def _append(self, step):
@@ -71,7 +87,7 @@ class SequenceAdder(Adder):
       self._writer.create_item(self._table, self._priority, trajectory)
 
   def reset(self):
-    self._writer.end_episode(clear_buffers=True)
+    _end_episode(self._writer)
     self._observation, self._steps = None, 0
 
   def close(self):
@@ -104,7 +120,7 @@ class ReturnAdder(Adder):
         self._writer.append({**step, "return": np.float32(g)})
         self._writer.create_item(self._table, self._priority,
                                  tree.map_structure(lambda column: column[-1], self._writer.history))
-      self._writer.end_episode(clear_buffers=True)
+      _end_episode(self._writer)
       self._episode, self._observation = [], None
 
   def reset(self):

@@ -11,10 +11,10 @@ from dm_env import test_utils
 import partitioner as P
 from agents.expert import evaluate_experts
 from environments import (InvalidActionError, PartitioningEnv, Task, TaskDistribution,
-                          decision_points, parse_bytes)
+                          decision_points, parse_bytes, task_context)
 from environments.tasks import data_parallel_peak, load_program, smallest_expert_peak
 from partitioner.cost import simulate
-from partitioner.errors import WorkloadError
+from partitioner.errors import ShardzeroError, WorkloadError
 
 GPT = Task("gpt:small", "batch=2,model=4")
 MLP = Task("mlp:small", "batch=8")
@@ -82,6 +82,26 @@ def test_penalty_only_over_budget():
   assert tight.penalty() > 1.0
   assert tight.observation()["globals"][-1] == 0.0   # does not fit
   assert big.observation()["globals"][-1] == 1.0
+
+
+def test_budgets_of_one_task_share_its_states():
+  tight_task = dataclasses.replace(GPT, memory_budget=parse_bytes("600KiB"))
+  full, tight = task_context(GPT), task_context(tight_task)
+  assert tight.task == tight_task and tight.budget == tight_task.memory_budget
+  assert full.budget == full.hardware.hbm_bytes
+  assert tight.root is full.root and tight.graph is full.graph
+  big, small = PartitioningEnv(full), PartitioningEnv(tight)
+  for env in (big, small):
+    env.reset()
+    ts = env.step(env.action_index("BatchParallel(batch)"))
+  assert small.cost is big.cost                  # simulated once
+  assert small.penalty() > 0 == big.penalty()
+  assert ts.reward == pytest.approx(-small.penalty() + (small.context.root.cost.step_time_s -
+                                                       small.cost.step_time_s) /
+                                    small.context.root.cost.step_time_s)
+  assert ts.observation["globals"][-1] == 0.0 and big.observation()["globals"][-1] == 1.0
+  with pytest.raises(ShardzeroError, match="not .* at another budget"):
+    full.with_budget(MLP)
 
 
 def test_masked_and_bad_actions_are_errors_and_change_nothing():

@@ -1,6 +1,7 @@
 """`shardzero train` as separate processes over a real Reverb server on localhost, resume,
 `propose` from the checkpoint, `plot`, and bad input."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -67,6 +68,44 @@ def test_two_processes_train_publish_versions_and_resume_without_loss(trained):
   saved = checkpointing.load(str(run_dir))
   assert int(saved["learner"]["state"][2]) == 5 and saved["learner"]["counts"]["steps"] == 5
   assert os.listdir(run_dir / "tb" / "learner")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+  pids = []
+  for entry in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{entry}/cmdline", "rb") as f:
+        if text.encode() in f.read():
+          pids.append(int(entry))
+    except (OSError, ValueError):
+      pass
+  return pids
+
+
+def test_sigterm_stops_every_role_and_keeps_the_checkpoint(tmp_path):
+  """The launcher (its own Reverb server, a learner, an actor) under `kill`: every process it
+  started is gone, the checkpoint is there, and it says how to resume."""
+  import signal
+  import time
+  run_dir = tmp_path / "killed"
+  dataclasses.replace(CONFIG, steps=100000).save(str(run_dir))
+  launcher = subprocess.Popen(
+      [sys.executable, "-m", "launch.cli", "train", "--run-dir", str(run_dir), "--resume",
+       "--no-evaluator"], env=dict(os.environ, PYTHONPATH=os.getcwd()),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  learner_csv = run_dir / "logs" / "learner.csv"
+  deadline = time.time() + 300
+  while not (learner_csv.exists() and _rows(learner_csv)) and time.time() < deadline:
+    time.sleep(1)
+  assert learner_csv.exists() and _rows(learner_csv), "the learner never updated"
+  assert len(_processes_mentioning(str(run_dir))) >= 4   # launcher, replay, learner, actor
+  launcher.send_signal(signal.SIGTERM)
+  out, err = launcher.communicate(timeout=120)
+  assert launcher.returncode == 130, err[-2000:]
+  assert f"--run-dir {run_dir} --resume" in err
+  assert _processes_mentioning(str(run_dir)) == []
+  from learners import checkpointing
+  assert checkpointing.load(str(run_dir))["learner"]["counts"]["steps"] >= 1
 
 
 def test_propose_uses_the_checkpoint(trained, capsys, tmp_path):
@@ -143,6 +182,32 @@ def test_plot_draws_the_curves(trained, capsys, tmp_path):
   assert code == 2 and "no training logs" in err
 
 
+def test_plot_compares_the_evaluator_curves_of_several_runs(capsys, tmp_path):
+  import matplotlib.pyplot as plt
+  from launch.plot_command import comparison
+  runs = []
+  for seed, ratios in ((0, (2.0, 1.1)), (1, (2.2, 1.3))):
+    logs = tmp_path / f"seed{seed}" / "logs"
+    logs.mkdir(parents=True)
+    rows = [f"{v},0,{r},{r + 0.1},{r - 0.2}" for v, r in zip((0, 10), ratios)]
+    (logs / "evaluator.csv").write_text(
+        "version,time,heldout_cost_ratio,heldout_tight_cost_ratio,train_median_cost_ratio\n"
+        + "\n".join(rows) + "\n")
+    runs.append(str(tmp_path / f"seed{seed}"))
+  code, out, err = run(capsys, "plot", *runs)
+  png = tmp_path / "seed0" / "compare.png"
+  assert code == 0 and out.strip() == str(png) and png.read_bytes()[:4] == b"\x89PNG"
+  fig = comparison(runs)
+  lines = {(ax.get_title(), line.get_label()): list(line.get_ydata())
+           for ax in fig.axes for line in ax.get_lines() if not line.get_label().startswith("_")}
+  plt.close(fig)
+  assert lines[("held-out mean", "seed1")] == [2.2, 1.3]
+  assert np.allclose(lines[("train models, median", "seed0")], [1.8, 0.9])
+  (tmp_path / "empty").mkdir()
+  code, out, err = run(capsys, "plot", runs[0], str(tmp_path / "empty"))
+  assert code == 2 and "no evaluator log" in err
+
+
 def test_train_rejects_bad_input(capsys, tmp_path):
   code, _, err = run(capsys, "train", "--run-dir", str(tmp_path / "a"), "--set", "nonsense=1")
   assert code == 2 and "unknown ppo settings" in err
@@ -161,7 +226,6 @@ def test_train_rejects_bad_input(capsys, tmp_path):
 def test_learner_pretrains_by_cloning_the_expert(tmp_path):
   """Pretraining updates clone the best expert's demonstrations (no actor needed): afterwards
   the greedy policy plays the expert's schedule."""
-  import dataclasses
   import signal
   from agents.learned.demonstrations import expert_moves
   from agents.learned.inference import load_policy, play_policy
@@ -194,7 +258,6 @@ def test_learner_pretrains_by_cloning_the_expert(tmp_path):
 def test_actors_wait_for_the_cloning_to_end(tmp_path):
   """With pretrain_steps, an actor writes no search data before the parameters it plays with
   have cloned the experts: replay then holds no stale items."""
-  import dataclasses
   import signal
   import threading
   from agents.learned.variable_client import publish
@@ -232,7 +295,6 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   """One evaluation round over Reverb: the greedy policy's step time over the best expert's,
   per held-out model and as means over the held-out and the train models, and at a tight
   budget. It plays the parameter average (the run keeps one), not the latest parameters."""
-  import dataclasses
   import signal
   from agents.expert import best_expert, evaluate_experts
   import jax
@@ -271,7 +333,10 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
 
   train, = config.train_eval_tasks()
   assert train.model == "gnn:mini" and train.mesh == config.eval_mesh
-  assert np.isclose(float(row["train_cost_ratio"]), greedy(train)[0])
+  train_ratio = greedy(train)[0]
+  assert np.isclose(float(row["train_cost_ratio"]), train_ratio)
+  assert np.isclose(float(row["train_median_cost_ratio"]), train_ratio)
+  assert float(row["train_within_10pct"]) == float(train_ratio <= 1.1)
   tight, = config.heldout_tasks(tight=True)
   full, = config.heldout_tasks()
   assert tight.model == full.model and tight.memory_budget < data_parallel_peak(full)
