@@ -111,6 +111,8 @@ def comparison(run_dirs):
   from partitioner.errors import ShardzeroError
   curves = {}
   for run_dir in run_dirs:
+    if not os.path.isdir(run_dir):
+      raise ShardzeroError(f"no run directory {run_dir!r}")
     curves[run_dir] = read_csv(os.path.join(run_dir, "logs", "evaluator.csv"))
     if not curves[run_dir]:
       raise ShardzeroError(f"{run_dir} has no evaluator log (logs/evaluator.csv) to compare")

@@ -206,6 +206,8 @@ def test_plot_compares_the_evaluator_curves_of_several_runs(capsys, tmp_path):
   (tmp_path / "empty").mkdir()
   code, out, err = run(capsys, "plot", runs[0], str(tmp_path / "empty"))
   assert code == 2 and "no evaluator log" in err
+  code, out, err = run(capsys, "plot", runs[0], str(tmp_path / "missing"))
+  assert code == 2 and "no run directory" in err
 
 
 def test_train_rejects_bad_input(capsys, tmp_path):
