@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents.core import VariableSource  # noqa: E402
 from agents.environment_loop import EnvironmentLoop  # noqa: E402
+from agents.loggers import InMemoryLogger  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
 from environments import PartitioningEnv  # noqa: E402
 from environments.observations import Sizes  # noqa: E402
@@ -34,11 +35,6 @@ class _Fixed(VariableSource):
 
   def get_variables(self, names):
     return [(self._params, 0)]
-
-
-class _Quiet:
-  def write(self, data):
-    pass
 
 
 def main(argv=None) -> int:
@@ -60,7 +56,7 @@ def main(argv=None) -> int:
                         pad_to=Sizes(*config.sizes))
   actor = builder.make_actor(env, networks, _Fixed(builder.init_params(networks)),
                              seed=args.seed, update_period=config.variable_update_period)
-  loop = EnvironmentLoop(env, actor, logger=_Quiet())
+  loop = EnvironmentLoop(env, actor, logger=InMemoryLogger())
   start = time.perf_counter()
   loop.run(num_episodes=args.warmup)
   warmup_s = time.perf_counter() - start
