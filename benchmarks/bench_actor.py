@@ -23,6 +23,7 @@ from agents.core import VariableSource  # noqa: E402
 from agents.environment_loop import EnvironmentLoop  # noqa: E402
 from agents.loggers import InMemoryLogger  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
+from launch.runtime import relax_gc  # noqa: E402
 from environments import PartitioningEnv  # noqa: E402
 from environments.observations import Sizes  # noqa: E402
 from environments.tasks import load_program  # noqa: E402
@@ -46,6 +47,7 @@ def main(argv=None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="benchmarks/results/actor.json")
   args = parser.parse_args(argv)
+  relax_gc()   # as the shardzero command does
   config = RunConfig(algorithm="alphazero", settings={"simulations": args.simulations})
   builder = config.builder()
   networks = builder.make_networks()

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from agents.mcts import MCTSActor  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
+from launch.runtime import relax_gc  # noqa: E402
 from environments import PartitioningEnv, Task, task_context  # noqa: E402
 
 TASKS = (
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
   parser.add_argument("--simulations", type=int, default=40, help="MCTS simulations per task")
   parser.add_argument("--out", default="benchmarks/results/environment.json")
   args = parser.parse_args(argv)
+  relax_gc()   # as the shardzero command does
   rows = [measure(label, task, args.steps, args.simulations) for label, task in TASKS]
   header = ("task", "ops", "actions", "set-up", "steps/s", "cached steps/s", "MCTS sims/s")
   print_table(header, [(r["task"], r["ops"], r["actions"], f"{r['setup_s']:.1f} s",

@@ -25,6 +25,7 @@ from agents.learned.inference import load_policy, play_policy  # noqa: E402
 from agents.mcts import MCTSActor  # noqa: E402
 from agents.planning import play  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
+from launch.runtime import relax_gc  # noqa: E402
 from environments import EnvConfig, PartitioningEnv, Task  # noqa: E402
 
 WITHIN = 1.10
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
   parser.add_argument("--budgets", default="4,8,16,32,64,128", help="MCTS simulation budgets")
   parser.add_argument("--out", default="benchmarks/results/policy.json")
   args = parser.parse_args(argv)
+  relax_gc()   # as the shardzero command does
   policy = load_policy(args.policy)
   from launch.training import RunConfig
   config = RunConfig.load(args.policy)

@@ -21,6 +21,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import random
 from typing import NamedTuple, Sequence
 
 import dm_env
@@ -34,11 +35,15 @@ from environments.tasks import Task, TaskDistribution, load_program
 from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram
+from partitioner.roles import aliased_outputs
 from partitioner.tactics import Tile, ZeRO
 
 
 class InvalidActionError(ShardzeroError):
   """An action that is out of range or masked in the current state."""
+
+
+_MASK64 = (1 << 64) - 1
 
 
 class StateInfo(NamedTuple):
@@ -49,6 +54,7 @@ class StateInfo(NamedTuple):
   sharding: np.ndarray             # node sharding features
   problems: dict                   # action index -> why it is masked (filled on demand)
   key: int                         # equal for equal partitioning states (transpositions)
+  layout: int                      # sum of the values' Zobrist terms, updated per step
 
 
 class TaskContext:
@@ -76,6 +82,17 @@ class TaskContext:
     self.finish = len(self.actions) - 1
     self.index = {str(a): i for i, a in enumerate(self.actions)}
     self._members = {m for p in self.points for m in p.members}
+    # Per value: the tile actions whose legality depends on its sharding.
+    self._tiles_of: dict[int, list[int]] = collections.defaultdict(list)
+    for i, action in enumerate(self.actions):
+      if action.kind == "tile":
+        for m in self.points[action.point].members:
+          for v in (m,) + aliased_outputs(program, m):
+            self._tiles_of[v].append(i)
+    self._tiles = [i for i, a in enumerate(self.actions) if a.kind == "tile"]
+    self._others = [i for i, a in enumerate(self.actions) if a.kind != "tile"]
+    self._zobrist: dict[tuple, int] = {}   # (value, dims) -> its random 64-bit term
+    self._random = random.Random(0)
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self.cache_size = cache_size
     self.root = self._make(start if start is not None else PartitionedProgram(program, mesh), None)
@@ -107,24 +124,51 @@ class TaskContext:
         (o := origin.get((v, a))) is not None and o.op is None for d in state.dims[v] for a in d)
         for v in changed]
     self.graph.sharding_rows(state.dims, changed, decided, sharding)
-    key = hash((tuple(state.dims), tuple(sorted(state.forbidden.items())),
+    # A Zobrist sum over values, so a step rehashes only the values it changed.
+    term = self._term
+    if parent is None:
+      layout = sum(term(v, d) for v, d in enumerate(state.dims)) & _MASK64
+    else:
+      old = parent.pp.state.dims
+      layout = (parent.layout + sum(term(v, state.dims[v]) - term(v, old[v])
+                                    for v in changed)) & _MASK64
+    key = hash((layout, tuple(sorted(state.forbidden.items())),
                 frozenset(str(t) for t in pp.schedule if not isinstance(t, Tile))))
-    return StateInfo(pp, self.simulator(pp), self._mask(pp), sharding, {}, key)
+    return StateInfo(pp, self.simulator(pp), self._mask(pp, parent), sharding, {}, key, layout)
 
-  def _mask(self, pp: PartitionedProgram) -> np.ndarray:
-    mask = np.zeros(self.graph.sizes.actions, bool)
+  def _term(self, v: int, dims) -> int:
+    """Value `v` sharded as `dims`, as a random 64-bit number. Random, not Python's hash:
+    tuple hashes are nearly additive in their items, so a sum of them would cancel `v` out
+    and the same tile on two values of one shape would give equal keys."""
+    key = (v, dims)
+    term = self._zobrist.get(key)
+    if term is None:
+      term = self._zobrist[key] = self._random.getrandbits(64)
+    return term
+
+  def _mask(self, pp: PartitionedProgram, parent: StateInfo | None) -> np.ndarray:
+    """The legal actions; a tile's legality depends on its members' shardings only, so those
+    of members that did not change since `parent` are kept."""
+    state = pp.state
+    if parent is None or state.forbidden != parent.pp.state.forbidden:
+      mask, tiles = np.zeros(self.graph.sizes.actions, bool), self._tiles
+    else:
+      mask = parent.mask.copy()
+      tiles = {i for v in state.changed for i in self._tiles_of.get(v, ())}
+    for i in tiles:
+      action = self.actions[i]
+      mask[i] = tile_problem(state, self.points[action.point], action.dim, action.axis) is None
     applied = {str(t) for t in pp.schedule}
     zero_axes = {t.axis for t in pp.schedule if isinstance(t, ZeRO)}
-    state = pp.state
-    for i, action in enumerate(self.actions):
-      if action.kind == "tile":
-        mask[i] = tile_problem(state, self.points[action.point], action.dim, action.axis) is None
-      elif action.kind == "finish":
+    for i in self._others:
+      action = self.actions[i]
+      if action.kind == "finish":
         mask[i] = True
       elif action.kind == "ZeRO":
         mask[i] = action.axis not in zero_axes
-      elif str(action) not in applied:
-        mask[i] = check_tactic(action.tactic, state, len(pp.schedule)) is None
+      else:
+        mask[i] = str(action) not in applied and check_tactic(
+            action.tactic, state, len(pp.schedule)) is None
     return mask
 
   def with_budget(self, task: Task) -> "TaskContext":

@@ -124,6 +124,7 @@ class Program:
       self._by_name.setdefault(n, v)
     for v, n in zip(self.inputs, self.input_names):
       self._by_name[n] = v
+    self._matches: dict[str, tuple[int, ...]] = {}   # pattern -> its inputs and outputs
 
   # ----------------------------------------------------------------------------- structure
   @functools.cached_property
@@ -180,10 +181,14 @@ class Program:
 
   def match(self, pattern: str, among: Iterable[int] | None = None) -> list[int]:
     """Value ids whose name matches a glob (`params/**/w`, `opt_state/*/mu/**`) or equals it."""
-    if among is None:
-      among = list(self.inputs) + [v for v in self.outputs if v not in self._input_pos]
     if pattern.startswith("%") and pattern[1:].isdigit():
       return [self.value(pattern).id]
+    if among is None:   # tactics match the same patterns again and again
+      found = self._matches.get(pattern)
+      if found is None:
+        among = list(self.inputs) + [v for v in self.outputs if v not in self._input_pos]
+        found = self._matches[pattern] = tuple(self.match(pattern, among))
+      return list(found)
     rx = _glob_regex(pattern)
     return [v for v in among if rx.match(self.name(v))]
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from partitioner.collectives import ALL_REDUCE, SLICE, Collective, Step, reshard_steps
 from partitioner.factors import REDUCE_OF_KIND, join_dim
-from partitioner.propagation import ShardingState
+from partitioner.propagation import ShardingState, priority_order
 from partitioner.roles import forward_ops
 from partitioner.sharding import Dims, Sharding
 
@@ -31,10 +31,12 @@ class OpPlan(NamedTuple):
   result_steps: tuple[tuple[Step, ...], ...]
   pieces: tuple[int, ...]                 # per operand then result: into how many local pieces
   split: int                              # into how many pieces the iteration space is cut
+  reads: tuple[int, ...]                  # the operands read through a resharded copy
+  writes: tuple[tuple[int, bool], ...]    # per result resharded: (position, out of place?)
 
   @property
   def communicates(self) -> bool:
-    return any(self.operand_steps) or any(self.result_steps)
+    return bool(self.reads or self.writes)
 
 
 class Copy(NamedTuple):
@@ -77,12 +79,15 @@ def _op_plan(state: ShardingState, op, memo: dict) -> OpPlan:
   """The op's plan, shared by every op of its class whose tensors are laid out alike."""
   table = state.table
   entry = table.entries[op.index] or table[op.index]
-  dims, prio = state.dims, state.prio
-  vids = entry.vids
-  key = ("plan", entry.klass, tuple([dims[v] for v in vids]), tuple([prio[v] for v in vids]))
+  pick = entry.pick
+  key = ("plan", entry.klass, pick(state.dims), pick(state.prio))
   plan = memo.get(key)
   if plan is None:
-    plan = memo[key] = _plan_op(state, op)
+    general = key[:3] + (priority_order(key[3]),)
+    plan = memo.get(general)
+    if plan is None:
+      plan = memo[general] = _plan_op(state, op)
+    memo[key] = plan
   return plan
 
 
@@ -111,27 +116,27 @@ def _plan_op(state: ShardingState, op) -> OpPlan:
   pieces = tuple(math.prod(count(d) for d in dims)
                  for dims in operand_dims + tuple(r.dims for r in results))
   split = pieces[n_in] * count(results[0].partial) if results else 1
+  reads = tuple(k for k, steps in enumerate(operand_steps) if steps)
+  writes = tuple((k, any(s.kind != ALL_REDUCE for s in steps))
+                 for k, steps in enumerate(result_steps) if steps)
   return OpPlan(fac_axes, operand_dims, results, tuple(operand_steps), result_steps, pieces,
-                split)
+                split, reads, writes)
 
 
 def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
   """The plan for `state`; with `base`, the plan of the state it was copied from, only the ops
   that read or write a changed value are planned again."""
-  program = state.program
+  program, program_ops = state.program, state.program.ops
   memo = state.table.memo(state.mesh)
   if base is None:
     ops = [_op_plan(state, op, memo) for op in program.ops]
     communicating = [i for i, p in enumerate(ops) if p.communicates]
   else:
     ops = list(base.ops)
-    users, values = program.users, program.values
+    touching = state.table.touching
     todo = set()
     for v in state.changed:
-      if values[v].producer is not None:
-        todo.add(values[v].producer)
-      todo.update(users[v])
-    program_ops = program.ops
+      todo.update(touching[v])
     for i in todo:
       ops[i] = _op_plan(state, program_ops[i], memo)
     communicating = sorted({i for i in base.communicating if i not in todo} |
@@ -144,21 +149,26 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
   made: dict = {}           # (value, layout, in forward pass) -> copy
   forward = forward_ops(program)
   for i in communicating:
-    op, op_plan = program.ops[i], ops[i]
-    for k, (vid, want, steps) in enumerate(zip(op.inputs, op_plan.operand_dims,
-                                               op_plan.operand_steps)):
-      if steps:
-        key = (vid, want, i in forward)
-        c = made.get(key)
-        if c is None:
-          c = made[key] = len(copies)
-          copies.append(Copy(vid, want, i, i))
-          _record(collectives, steps, vid, i, c)
-        else:
-          copies[c] = copies[c]._replace(last=i)
-        copy_of[(i, k)] = c
-    for vid, local, steps in zip(op.outputs, op_plan.result, op_plan.result_steps):
-      _record(collectives, steps, vid, i)
-      if any(s.kind != ALL_REDUCE for s in steps):
-        staged.append(Staged(i, vid, local.dims))
+    op, op_plan = program_ops[i], ops[i]
+    for k in op_plan.reads:
+      vid, want = op.inputs[k], op_plan.operand_dims[k]
+      key = (vid, want, i in forward)
+      c = made.get(key)
+      if c is None:
+        c = made[key] = len(copies)
+        copies.append(Copy(vid, want, i, i))
+        _record(collectives, op_plan.operand_steps[k], vid, i, c)
+      else:
+        copies[c] = copies[c]._replace(last=i)
+      copy_of[(i, k)] = c
+    if op_plan.writes:   # the same for every state where op i has this plan
+      written = memo.get(("writes", i))
+      if written is None or written[0] is not op_plan:
+        made_here: list[Collective] = []
+        for k, _ in op_plan.writes:
+          _record(made_here, op_plan.result_steps[k], op.outputs[k], i)
+        written = memo[("writes", i)] = (op_plan, made_here, [
+            Staged(i, op.outputs[k], op_plan.result[k].dims) for k, out in op_plan.writes if out])
+      collectives += written[1]
+      staged += written[2]
   return Plan(ops, collectives, copies, copy_of, communicating, staged)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import operator
 from typing import NamedTuple, Sequence
 
 from partitioner.errors import ShardingError
@@ -31,6 +32,16 @@ UNSHARDED = 1 << 30  # priority of a value no tactic has reached
 MEMO_LIMIT = 1 << 18  # remembered op outcomes per program and mesh
 
 
+def priority_order(prios):
+  """Priorities as a merge sees them: only their order matters (and which are unsharded), so
+  the same tuple with dense ranks lets states reached by different schedules share outcomes."""
+  if not isinstance(prios, tuple):
+    return 0 if prios < UNSHARDED else UNSHARDED
+  rank = {p: i for i, p in enumerate(sorted(set(prios)))}
+  rank[UNSHARDED] = UNSHARDED
+  return tuple([rank[p] for p in prios])
+
+
 class OpTensors(NamedTuple):
   factors: OpFactors
   tensors: tuple[tuple[int, tuple], ...]  # (value id, dim factors): operands, then results
@@ -39,6 +50,7 @@ class OpTensors(NamedTuple):
   slots: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
   vids: tuple[int, ...]                   # the value of each tensor
   klass: int                              # ops of one class have equal rules, shapes, aliasing
+  pick: operator.itemgetter               # per-value list -> its items at `vids` (memo keys)
 
 
 class Transfer(NamedTuple):
@@ -84,8 +96,20 @@ class FactorTable:
                    tuple((values[v].shape, values[v].dtype.itemsize, values[v].is_const)
                          for v in vids))
       klass = self._classes.setdefault(signature, len(self._classes))
-      entry = self.entries[index] = OpTensors(fac, tensors, len(op.inputs), slots, vids, klass)
+      pick = operator.itemgetter(*vids) if vids else (lambda _: ())
+      entry = self.entries[index] = OpTensors(fac, tensors, len(op.inputs), slots, vids, klass,
+                                              pick)
     return entry
+
+  @property
+  def touching(self) -> list[tuple[int, ...]]:
+    """Per value: the ops that read or make it, its producer last."""
+    touching = self.__dict__.get("_touching")
+    if touching is None:
+      users = self.program.users
+      touching = self._touching = [tuple(users[v]) + ((p,) if p is not None else ())
+                                   for v, p in enumerate(self.producers)]
+    return touching
 
   def all_fallbacks(self) -> dict[int, str]:
     for i in range(len(self.entries)):
@@ -136,7 +160,7 @@ class ShardingState:
     self.prio: list[int] = [UNSHARDED] * len(program.values)
     self.forbidden: dict[int, frozenset[str]] = {}
     self.origin: dict[tuple[int, str], Origin] = {}
-    self.conflicts: list[Conflict] = []
+    self._conflicts: list[tuple] = []   # (op, kept value, axes, dropped value, axes, tactic)
     self._conflict_keys: set = set()
     self.phase = 0  # priority of what is tiled now: earlier phases win merges.
     self.changed: set[int] = set(range(len(program.values)))
@@ -148,7 +172,7 @@ class ShardingState:
     new.prio = list(self.prio)
     new.forbidden = dict(self.forbidden)
     new.origin = dict(self.origin)
-    new.conflicts = list(self.conflicts)
+    new._conflicts = list(self._conflicts)
     new._conflict_keys = set(self._conflict_keys)
     new.phase = self.phase
     new.changed = set()
@@ -160,7 +184,7 @@ class ShardingState:
     new.__dict__.update(self.__dict__)
     new.dims, new.prio, new.forbidden = list(self.dims), list(self.prio), dict(self.forbidden)
     new.origin = collections.ChainMap({}, self.origin)
-    new.conflicts, new._conflict_keys, new.changed = [], set(), set()
+    new._conflicts, new._conflict_keys, new.changed = [], set(), set()
     return new
 
   def sharding(self, vid: int) -> Sharding:
@@ -186,9 +210,9 @@ class ShardingState:
   def tile(self, vid: int, dim: int, axes: Sequence[str], tactic: int) -> bool:
     """Adds `axes` (minor to what the dimension has) to `dim` of a value. Raises on bad input."""
     v = self.program.values[vid]
-    name = self.program.name(vid)
+    name = lambda: self.program.name(vid)   # for errors only: a search tiles a lot
     if not -v.rank <= dim < v.rank:
-      raise ShardingError(f"{name} has rank {v.rank}; dimension {dim} does not exist")
+      raise ShardingError(f"{name()} has rank {v.rank}; dimension {dim} does not exist")
     dim %= v.rank
     for a in axes:
       self.mesh.check_axis(a)
@@ -209,16 +233,17 @@ class ShardingState:
           o = self.origin.get((vid, a))
           by = f" by tactic #{o.tactic}" if o else ""
           raise ShardingError(
-              f"{name}: axis {a!r} already shards dimension {d}{by}; it cannot also shard "
+              f"{name()}: axis {a!r} already shards dimension {d}{by}; it cannot also shard "
               f"dimension {dim}")
       if a in self.forbidden.get(vid, ()):
-        raise ShardingError(f"{name}: axis {a!r} was forbidden on this value by an earlier tactic")
+        raise ShardingError(
+            f"{name()}: axis {a!r} was forbidden on this value by an earlier tactic")
     count = 1
     for a in have + new:
       count *= self.sizes[a]
     if v.shape[dim] % count:
       raise ShardingError(
-          f"{name}: dimension {dim} of size {v.shape[dim]} is not divisible by "
+          f"{name()}: dimension {dim} of size {v.shape[dim]} is not divisible by "
           f"{'x'.join(have + new)}={count}")
     dims = list(cur)
     dims[dim] = have + new
@@ -250,7 +275,7 @@ class ShardingState:
     """The op's factor axes agreed from the current shardings of its tensors. Disagreements
     are appended to `conflicts` as (kept tensor, its axes, dropped tensor, its axes)."""
     table = self.table
-    fac, tensors, _, slots, _, _ = table.entries[index] or table[index]
+    fac, tensors, _, slots = (table.entries[index] or table[index])[:4]
     sizes_v = table.sizes
     dims, prio = self.dims, self.prio
     fac_axes: list[Axes] = [()] * len(fac.sizes)
@@ -300,7 +325,7 @@ class ShardingState:
   def _transfer(self, index: int) -> Transfer:
     """Visits op `index` without changing the state: merge, then project the agreed factor axes
     back onto each tensor where they refine it (and no axis is forbidden or used twice)."""
-    fac, tensors, _, slots, vids, _ = self.table[index]
+    fac, tensors, _, slots, vids = self.table[index][:5]
     conflicts: list = []
     fac_axes = self.merge(index, conflicts)
     updates = []
@@ -332,21 +357,26 @@ class ShardingState:
           updates.append((k, now[v], gained))
     return Transfer(tuple(conflicts), tuple(updates))
 
-  def _record_conflicts(self, index: int, vids, found, tactic: int) -> None:
+  @property
+  def conflicts(self) -> list[Conflict]:
+    """The disagreements propagation resolved, in the order it met them (named when read:
+    a search never reads them)."""
     p = self.program
+    return [Conflict(index, p.ops[index].name, f"{p.name(kept)} on {'+'.join(kept_axes)}",
+                     f"{p.name(dropped)} on {'+'.join(dropped_axes)}", tactic)
+            for index, kept, kept_axes, dropped, dropped_axes, tactic in self._conflicts]
+
+  def _record_conflicts(self, index: int, vids, found, tactic: int) -> None:
     for kept, kept_axes, dropped, dropped_axes in found:
       key = (index, vids[kept], kept_axes, vids[dropped], dropped_axes)
-      if key in self._conflict_keys:
-        continue
-      self._conflict_keys.add(key)
-      self.conflicts.append(Conflict(
-          index, p.ops[index].name, f"{p.name(vids[kept])} on {'+'.join(kept_axes)}",
-          f"{p.name(vids[dropped])} on {'+'.join(dropped_axes)}", tactic))
+      if key not in self._conflict_keys:
+        self._conflict_keys.add(key)
+        self._conflicts.append(key + (tactic,))
 
   def propagate(self, seeds: Sequence[int], tactic: int) -> int:
     """Spreads the shardings of `seeds` to a fixed point; returns the number of op visits."""
     program, table = self.program, self.table
-    users, producers = program.users, table.producers
+    touching = table.touching
     entries = table.entries
     memo = table.memo(self.mesh)
     dims, prio, forbidden, origin, changed = (self.dims, self.prio, self.forbidden, self.origin,
@@ -356,8 +386,8 @@ class ShardingState:
     queued = bytearray(len(program.ops))
     heappush, heappop = heapq.heappush, heapq.heappop
     for vid in seeds:
-      for u in (*users[vid], producers[vid]):
-        if u is not None and not queued[u]:
+      for u in touching[vid]:
+        if not queued[u]:
           queued[u] = 1
           heappush(queue, u)
     visits = 0
@@ -366,17 +396,22 @@ class ShardingState:
       queued[index] = 0
       visits += 1
       entry = entries[index] or table[index]
-      vids = entry.vids
-      key = (entry.klass, tuple([dims[v] for v in vids]), tuple([prio[v] for v in vids]),
-             tuple([forbidden.get(v) for v in vids]) if forbidden else None)
+      pick = entry.pick
+      key = (entry.klass, pick(dims), pick(prio),
+             tuple(map(forbidden.get, entry.vids)) if forbidden else None)
       transfer = memo.get(key)
       if transfer is None:
-        transfer = memo[key] = self._transfer(index)
+        general = (key[0], key[1], priority_order(key[2]), key[3])
+        transfer = memo.get(general)
+        if transfer is None:
+          transfer = memo[general] = self._transfer(index)
+        memo[key] = transfer
       if transfer.conflicts:
-        self._record_conflicts(index, vids, transfer.conflicts, tactic)
+        self._record_conflicts(index, entry.vids, transfer.conflicts, tactic)
       if not transfer.updates:
         continue
       why = tuple.__new__(Origin, (tactic, index))
+      vids = entry.vids
       for k, new, gained in transfer.updates:
         v = vids[k]
         dims[v] = new
@@ -385,8 +420,8 @@ class ShardingState:
           origin[(v, a)] = why
         if phase < prio[v]:
           prio[v] = phase
-        for u in (*users[v], producers[v]):   # every op touching v, but this one, again
-          if u is not None and u != index and not queued[u]:
+        for u in touching[v]:   # every op touching v, but this one, again
+          if u != index and not queued[u]:
             queued[u] = 1
             heappush(queue, u)
     return visits

@@ -10,3 +10,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import jax  # noqa: E402
 
 assert len(jax.devices()) >= 8, "tests need 8 host devices"
+
+from launch.runtime import relax_gc  # noqa: E402
+
+relax_gc()   # as the shardzero command does

@@ -15,6 +15,7 @@ from environments import (InvalidActionError, PartitioningEnv, Task, TaskDistrib
 from environments.tasks import data_parallel_peak, load_program, smallest_expert_peak
 from partitioner.cost import simulate
 from partitioner.errors import ShardzeroError, WorkloadError
+from partitioner.tactics import Tile
 
 GPT = Task("gpt:small", "batch=2,model=4")
 MLP = Task("mlp:small", "batch=8")
@@ -147,6 +148,41 @@ def test_mask_matches_what_applying_does():
     elif action.kind != "ZeRO" and str(action) != "SequenceParallel(model)":
       assert not ok, (action, ctx.problem(env._info, i))
 
+
+def test_masks_and_keys_updated_from_the_previous_state_equal_those_made_afresh():
+  """Each state's mask is its parent's with the tiles of changed values re-checked, and its
+  key its parent's with the changed values rehashed."""
+  env = PartitioningEnv(GPT, seed=3)
+  rng = np.random.default_rng(3)
+  ctx, checked = env.context, 0
+  zero = env.action_index("ZeRO(batch, stage=1)")   # forbids axes: every tile is re-checked
+  for episode in range(4):
+    ts = env.reset()
+    if episode % 2:
+      ts = env.step(zero)
+    while not ts.last():
+      ts = env.step(int(rng.choice(env.legal_actions())))
+      fresh = ctx._make(env.partitioned, None)
+      np.testing.assert_array_equal(env._info.mask, fresh.mask)
+      np.testing.assert_array_equal(env._info.sharding, fresh.sharding)
+      assert env._info.key == fresh.key
+      checked += 1
+  assert checked >= 8
+
+
+def test_keys_are_equal_exactly_for_equal_states():
+  """Search merges states by key, so two different states must never share one: ResNet's
+  parameters of one shape, tiled alike, differ only in which value carries the tile."""
+  ctx = PartitioningEnv(Task("resnet:mini", "batch=2,model=4")).context
+  states: dict[int, tuple] = {}
+  for i in np.flatnonzero(ctx.root.mask):
+    if i != ctx.finish:
+      info = ctx._make(ctx.root.pp.apply(ctx.actions[i].tactic), ctx.root)
+      state = info.pp.state
+      same = (tuple(state.dims), sorted(state.forbidden.items()),
+              sorted(str(t) for t in info.pp.schedule if not isinstance(t, Tile)))
+      assert states.setdefault(info.key, same) == same, ctx.actions[i]
+  assert len(states) > 50
 
 def test_decision_points_group_layers_and_replay():
   program = load_program(GPT.model)

@@ -6,7 +6,7 @@ import pytest
 
 import partitioner as P
 from partitioner.errors import MeshError, PatternError, ShardingError
-from partitioner.propagation import factor_table
+from partitioner.propagation import ShardingState, factor_table
 
 
 def rand(*shape):
@@ -133,3 +133,27 @@ def test_ops_alike_share_remembered_outcomes_that_name_their_own_values():
   # Each weight's conflict with the batch axis is reported at its own matmul.
   dropped = {c.dropped for c in warm.conflicts if c.op in forward}
   assert dropped == {"w1 on a", "w2 on a"}
+
+
+def with_branch(x, w1, w2, y):
+  return two_layers(x, w1, w2), jnp.tanh(y)
+
+
+def test_outcomes_are_shared_by_schedules_whose_priorities_differ_only_in_numbering(monkeypatch):
+  args = LAYER_ARGS + (rand(8, 4),)
+  program = P.trace(with_branch, *args)
+  P.apply(program, "a=2,b=2", "Tile(x, 0, a); Tile(w1, 1, b)")   # phases 0 and 1
+  computed = []
+  transfer = ShardingState._transfer
+  monkeypatch.setattr(ShardingState, "_transfer",
+                      lambda self, index: computed.append(index) or transfer(self, index))
+  # An unrelated first tactic: the same two tactics run as phases 1 and 2.
+  schedule = "Tile(y, 0, a); Tile(x, 0, a); Tile(w1, 1, b)"
+  shifted = P.apply(program, "a=2,b=2", schedule)
+  branch = {op.index for op in program.ops if op.name == "tanh" and
+            program.ops[op.index].inputs[0] == program.value("y").id}
+  assert computed and set(computed) <= branch
+  monkeypatch.setattr(ShardingState, "_transfer", transfer)
+  cold = P.apply(P.trace(with_branch, *args), "a=2,b=2", schedule)
+  assert shifted.state.dims == cold.state.dims
+  assert shifted.collectives == cold.collectives
