@@ -21,6 +21,7 @@ from agents.learned.demonstrations import expert_moves
 from agents.learned.networks import Networks
 from agents.learned.variable_client import VariableClient
 from agents.mcts import MCTSActor, heuristic_prior, improved_policy
+from environments.observations import trimmed
 from learners.alphazero import POLICY_TARGETS
 
 # policy(params, key, observation) -> (action, log_prob, value)
@@ -28,7 +29,8 @@ Policy = Callable
 
 
 def make_policy(networks: Networks, evaluation: bool = False) -> Policy:
-  """A jitted policy on one observation: sample (or argmax) a legal action."""
+  """A jitted policy on one observation: sample (or argmax) a legal action. The observation's
+  padding is trimmed first (one compilation per size bucket)."""
 
   def policy(params, key, observation):
     out = networks.apply(params, observation)
@@ -36,17 +38,20 @@ def make_policy(networks: Networks, evaluation: bool = False) -> Policy:
     action = jnp.argmax(out.logits) if evaluation else jax.random.categorical(key, out.logits)
     return action, logp[action], out.value
 
-  return jax.jit(policy)
+  jitted = jax.jit(policy)
+  return lambda params, key, observation: jitted(params, key, trimmed(observation))
 
 
 def make_prior_value(networks: Networks):
-  """`(params, observation) -> (probabilities, value)`, jitted, for search."""
+  """`(params, observation) -> (probabilities, value)`, jitted on the trimmed observation,
+  for search."""
 
   def prior_value(params, observation):
     out = networks.apply(params, observation)
     return jax.nn.softmax(out.logits), out.value
 
-  return jax.jit(prior_value)
+  jitted = jax.jit(prior_value)
+  return lambda params, observation: jitted(params, trimmed(observation))
 
 
 def make_search_fns(networks: Networks, get_params: Callable[[], object],

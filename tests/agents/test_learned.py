@@ -13,12 +13,13 @@ import tree
 from agents.environment_loop import EnvironmentLoop
 from agents.expert import best_expert, evaluate_experts
 from agents.learned.builders import AlphaZeroBuilder, PPOBuilder, make_builder
+from agents.learned.actors import make_policy, make_prior_value
 from agents.learned.networks import MASKED, make_networks
 from agents.learned.variable_client import (LearnerVariableSource, ReverbVariableSource,
                                             VariableClient, publish)
 from agents.loggers import InMemoryLogger
 from environments import EnvConfig, PartitioningEnv, Task
-from environments.observations import Sizes
+from environments.observations import Sizes, trimmed
 from learners import checkpointing
 from learners.alphazero import AlphaZeroConfig
 from learners.ppo import PPOConfig
@@ -74,6 +75,25 @@ def test_network_masks_illegal_actions_and_scores_rows_independently(env):
   # Batched observations give the same answers.
   batch = jax.tree_util.tree_map(lambda x: np.stack([x, x]), obs)
   np.testing.assert_allclose(nets.apply(params, batch).value, [out.value] * 2, rtol=1e-5)
+
+
+def test_search_and_policy_evaluate_trimmed_padding_to_the_same_answer():
+  """Acting trims an observation padded to the training size (4096 nodes) to its own bucket;
+  the padding is masked, so the prior, the value and the greedy action do not change."""
+  env = PartitioningEnv(TASK, pad_to=Sizes(4096, 8192, 128))
+  obs = env.reset().observation
+  small = trimmed(obs)
+  assert len(small["node_mask"]) == 512 and len(small["senders"]) == 1024
+  assert small["node_mask"].sum() == obs["node_mask"].sum()   # every real node kept
+  assert len(small["actions"]) == 128
+  nets = make_networks()
+  params = nets.init(jax.random.PRNGKey(0), obs)
+  full = jax.jit(nets.apply)(params, obs)
+  probs, value = make_prior_value(nets)(params, obs)
+  np.testing.assert_allclose(probs, jax.nn.softmax(full.logits), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(value, full.value, rtol=1e-5, atol=1e-6)
+  action, _, _ = make_policy(nets, evaluation=True)(params, jax.random.PRNGKey(1), obs)
+  assert int(action) == int(np.argmax(full.logits))
 
 
 def test_sequence_adder_writes_padded_sequences_with_versions(env):
