@@ -35,6 +35,8 @@ Algorithms:
              them), at --set pretrain_learning_rate=R if given (cloning is slow at
              the learning rate that suits search targets); --set demonstrations=F has
              actors replay the best expert in that share of their episodes.
+             --set decay_steps=N: after cloning the rate falls along a cosine to 0
+             over N updates (e.g. --steps minus pretrain_steps).
   both       --set ema_decay=D (e.g. 0.99) keeps a moving average of the parameters,
              which the evaluator and 'propose' play (actors keep the latest).
 

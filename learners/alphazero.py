@@ -38,6 +38,7 @@ class AlphaZeroConfig:
   demonstrations: float = 0.0      # share of actor episodes that replay the best expert
   pretrain_steps: int = 0          # first updates clone the experts of the train split
   pretrain_learning_rate: float = 0.0  # during those updates (0: learning_rate)
+  decay_steps: int = 0             # after them the rate falls along a cosine to 0 (0: constant)
   replay_size: int = 2000
   samples_per_insert: float = 4.0  # how often each step is used, on average
   min_replay_size: int = 32
@@ -51,6 +52,8 @@ class AlphaZeroConfig:
       raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
     if self.pretrain_learning_rate < 0:
       raise ValueError(f"pretrain_learning_rate must be >= 0, got {self.pretrain_learning_rate}")
+    if self.decay_steps < 0:
+      raise ValueError(f"decay_steps must be >= 0, got {self.decay_steps}")
 
 
 def alphazero_loss(networks: Networks, config: AlphaZeroConfig):

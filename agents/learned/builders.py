@@ -104,13 +104,19 @@ class Builder(abc.ABC):
 
   def make_optimizer(self) -> optax.GradientTransformation:
     """AdamW after global-norm clipping; at `pretrain_learning_rate` during the cloning
-    updates where one is set (the optimizer's own step count, checkpointed with it, switches)."""
+    updates where one is set, then at `learning_rate`, falling along a cosine to zero over
+    `decay_steps` updates where one is set (the optimizer's own step count, checkpointed with
+    it, drives the schedule, so a resumed run continues it)."""
     c = self.config
-    learning_rate = c.learning_rate
-    pretrain_rate = getattr(c, "pretrain_learning_rate", 0.0)
-    if pretrain_rate and getattr(c, "pretrain_steps", 0):
-      learning_rate = optax.piecewise_constant_schedule(
-          pretrain_rate, {c.pretrain_steps * c.epochs: c.learning_rate / pretrain_rate})
+    boundary = getattr(c, "pretrain_steps", 0) * c.epochs
+    decay = getattr(c, "decay_steps", 0) * c.epochs
+    learning_rate = (optax.cosine_decay_schedule(c.learning_rate, decay) if decay
+                     else c.learning_rate)   # a float: no schedule count in the optimizer state
+    cloning_rate = getattr(c, "pretrain_learning_rate", 0.0) or c.learning_rate
+    if boundary and (decay or cloning_rate != c.learning_rate):
+      learning_rate = optax.join_schedules(
+          [optax.constant_schedule(cloning_rate), optax.constant_schedule(learning_rate)
+           if isinstance(learning_rate, float) else learning_rate], [boundary])
     return optax.chain(optax.clip_by_global_norm(c.max_gradient_norm),
                        optax.adamw(learning_rate, weight_decay=getattr(c, "weight_decay", 0.0)))
 

@@ -166,6 +166,11 @@ def test_masks_and_keys_updated_from_the_previous_state_equal_those_made_afresh(
       np.testing.assert_array_equal(env._info.mask, fresh.mask)
       np.testing.assert_array_equal(env._info.sharding, fresh.sharding)
       assert env._info.key == fresh.key
+      state = env.partitioned.state   # decided: a decision point's member a tactic tiled itself
+      direct = {v for (v, _), o in state.origin.items() if o.op is None}
+      np.testing.assert_array_equal(env._info.sharding[:, -1] == 1,
+                                    [v in ctx._members and v in direct
+                                     for v in range(len(state.dims))])
       checked += 1
   assert checked >= 8
 
