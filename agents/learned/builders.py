@@ -110,13 +110,14 @@ class Builder(abc.ABC):
     c = self.config
     boundary = getattr(c, "pretrain_steps", 0) * c.epochs
     decay = getattr(c, "decay_steps", 0) * c.epochs
-    learning_rate = (optax.cosine_decay_schedule(c.learning_rate, decay) if decay
-                     else c.learning_rate)   # a float: no schedule count in the optimizer state
-    cloning_rate = getattr(c, "pretrain_learning_rate", 0.0) or c.learning_rate
-    if boundary and (decay or cloning_rate != c.learning_rate):
+    pretrain_rate = getattr(c, "pretrain_learning_rate", 0.0)
+    search = optax.cosine_decay_schedule(c.learning_rate, decay) if decay else None
+    if boundary and (pretrain_rate or decay):
       learning_rate = optax.join_schedules(
-          [optax.constant_schedule(cloning_rate), optax.constant_schedule(learning_rate)
-           if isinstance(learning_rate, float) else learning_rate], [boundary])
+          [optax.constant_schedule(pretrain_rate or c.learning_rate),
+           search or optax.constant_schedule(c.learning_rate)], [boundary])
+    else:   # a float where nothing changes: no schedule count in the optimizer state
+      learning_rate = search or c.learning_rate
     return optax.chain(optax.clip_by_global_norm(c.max_gradient_norm),
                        optax.adamw(learning_rate, weight_decay=getattr(c, "weight_decay", 0.0)))
 

@@ -358,50 +358,42 @@ def test_parameter_average_is_the_moving_average_and_what_propose_loads(tmp_path
     make_builder("alphazero", {"ema_decay": 1.0})
 
 
+def _step_sizes(optimizer, steps):
+  """How far each of `steps` updates moves a parameter under a constant gradient: about the
+  learning rate, for Adam."""
+  import jax.numpy as jnp
+  params = {"w": jnp.ones(3)}
+  state, sizes = optimizer.init(params), []
+  for _ in range(steps):
+    updates, state = optimizer.update({"w": jnp.full(3, 0.1)}, state, params)
+    sizes.append(float(jnp.abs(updates["w"][0])))
+  return sizes
+
+
 def test_cloning_updates_use_the_pretrain_learning_rate():
   """Adam's first steps move each parameter by about the learning rate: the pretrain rate for
   the first `pretrain_steps` updates, then the search-phase rate."""
-  import jax.numpy as jnp
   builder = make_builder("alphazero", {"pretrain_steps": 2, "pretrain_learning_rate": 0.5,
                                        "learning_rate": 1e-3, "weight_decay": 0.0})
-  optimizer = builder.make_optimizer()
-  params = {"w": jnp.ones(3)}
-  state = optimizer.init(params)
-  sizes = []
-  for _ in range(4):
-    updates, state = optimizer.update({"w": jnp.full(3, 0.1)}, state, params)
-    sizes.append(float(jnp.abs(updates["w"][0])))
-  np.testing.assert_allclose(sizes, [0.5, 0.5, 1e-3, 1e-3], rtol=1e-3)
+  np.testing.assert_allclose(_step_sizes(builder.make_optimizer(), 4), [0.5, 0.5, 1e-3, 1e-3],
+                             rtol=1e-3)
   plain = make_builder("alphazero", {"pretrain_steps": 2, "learning_rate": 1e-3,
                                      "weight_decay": 0.0}).make_optimizer()
-  updates, _ = plain.update({"w": jnp.full(3, 0.1)}, plain.init(params), params)
-  np.testing.assert_allclose(float(jnp.abs(updates["w"][0])), 1e-3, rtol=1e-3)
+  np.testing.assert_allclose(_step_sizes(plain, 1), [1e-3], rtol=1e-3)
 
 
 def test_search_learning_rate_decays_along_a_cosine_after_cloning():
   """With `decay_steps` the rate after cloning falls from `learning_rate` to zero along a
   cosine: half-way it is half the rate, at the end zero, and cloning keeps its own rate."""
-  import jax.numpy as jnp
   builder = make_builder("alphazero", {"pretrain_steps": 2, "pretrain_learning_rate": 0.5,
                                        "learning_rate": 1e-2, "decay_steps": 4,
                                        "weight_decay": 0.0})
-  optimizer = builder.make_optimizer()
-  params = {"w": jnp.ones(3)}
-  state = optimizer.init(params)
-  sizes = []
-  for _ in range(7):
-    updates, state = optimizer.update({"w": jnp.full(3, 0.1)}, state, params)
-    sizes.append(float(jnp.abs(updates["w"][0])))
-  np.testing.assert_allclose(sizes, [0.5, 0.5, 1e-2, 1e-2 * (1 + np.cos(np.pi / 4)) / 2,
-                                     5e-3, 1e-2 * (1 - np.cos(np.pi / 4)) / 2, 0.0],
-                             rtol=1e-3, atol=1e-7)
+  np.testing.assert_allclose(_step_sizes(builder.make_optimizer(), 7),
+                             [0.5, 0.5, 1e-2, 1e-2 * (1 + np.cos(np.pi / 4)) / 2, 5e-3,
+                              1e-2 * (1 - np.cos(np.pi / 4)) / 2, 0.0], rtol=1e-3, atol=1e-7)
   without_cloning = make_builder("alphazero", {"learning_rate": 1e-2, "decay_steps": 2,
                                                "weight_decay": 0.0}).make_optimizer()
-  state = without_cloning.init(params)
-  sizes = []
-  for _ in range(3):
-    updates, state = without_cloning.update({"w": jnp.full(3, 0.1)}, state, params)
-    sizes.append(float(jnp.abs(updates["w"][0])))
-  np.testing.assert_allclose(sizes, [1e-2, 5e-3, 0.0], rtol=1e-3, atol=1e-7)
+  np.testing.assert_allclose(_step_sizes(without_cloning, 3), [1e-2, 5e-3, 0.0], rtol=1e-3,
+                             atol=1e-7)
   with pytest.raises(ShardzeroError, match="decay_steps"):
     make_builder("alphazero", {"decay_steps": -1})

@@ -189,6 +189,7 @@ def test_keys_are_equal_exactly_for_equal_states():
       assert states.setdefault(info.key, same) == same, ctx.actions[i]
   assert len(states) > 50
 
+
 def test_decision_points_group_layers_and_replay():
   program = load_program(GPT.model)
   points = {p.pattern: p for p in decision_points(program)}
