@@ -43,7 +43,9 @@ def evaluate_experts(env: PartitioningEnv) -> list[ExpertResult]:
     except ShardzeroError as e:
       out.append(ExpertResult(name, schedule, (), None, None, None, str(e)))
       continue
-    out.append(ExpertResult(name, schedule, actions, trial.cost, trial.score(), trial.fits))
+    cost = trial.exact_cost
+    out.append(ExpertResult(name, schedule, actions, cost, trial.score(),
+                            cost.peak_memory_bytes <= trial.context.budget))
   return out
 
 

@@ -31,7 +31,7 @@ from dm_env import specs
 from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
                                   decision_points, tile_problem)
 from environments.observations import Sizes, StaticGraph, observation_spec
-from environments.tasks import Task, TaskDistribution, load_program
+from environments.tasks import Task, TaskDistribution, folded_program, load_program
 from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram
@@ -63,19 +63,33 @@ class TaskContext:
 
   By default episodes start unpartitioned with actions over every mesh axis; `start` (a
   partitioned program of the task's mesh) and `axes` make a sub-problem, which is what an
-  automatic tactic inside a manual schedule solves."""
+  automatic tactic inside a manual schedule solves.
+
+  With `fold` (the default), a corpus model deeper than three layers is played on its
+  three-layer trace with a middle layer that counts for the others (`partitioner.folding`):
+  the same actions, costs within a fraction of a percent, a step several times cheaper.
+  `unfolded` and `exact_cost` give the task's own program and its simulated cost."""
 
   def __init__(self, task: Task, pad_to: Sizes | None = None, cache_size: int = 256, *,
-               start: PartitionedProgram | None = None, axes: Sequence[str] | None = None):
+               start: PartitionedProgram | None = None, axes: Sequence[str] | None = None,
+               fold: bool = True):
     from partitioner.cost import Simulator, load_hardware
     self.task = task
-    self.program = program = start.program if start is not None else load_program(task.model)
+    self.folding = folded_program(dataclasses.replace(task, memory_budget=None)) \
+        if fold and start is None else None
+    if start is not None:
+      program = start.program
+    elif self.folding is not None:
+      program = self.folding.program
+    else:
+      program = load_program(task.model)
+    self.program = program
     self.mesh = mesh = Mesh.parse(task.mesh)
     if start is not None and start.mesh.axes != mesh.axes:
       raise ShardzeroError(f"the start state is over {start.mesh}, the task over {task.mesh}")
     self.hardware = load_hardware(task.hardware)
     self.budget = task.memory_budget or self.hardware.hbm_bytes
-    self.simulator = Simulator(program, mesh, self.hardware)
+    self.simulator = Simulator(program, mesh, self.hardware, folding=self.folding)
     self.points: list[DecisionPoint] = decision_points(program)
     self.actions: list[Action] = action_space(program, mesh, self.points, axes)
     self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
@@ -171,6 +185,17 @@ class TaskContext:
             action.tactic, state, len(pp.schedule)) is None
     return mask
 
+  def unfolded(self, pp: PartitionedProgram) -> PartitionedProgram:
+    """`pp`'s schedule applied to the task's own program (`pp` itself unless folded)."""
+    if self.folding is None:
+      return pp
+    return PartitionedProgram(load_program(self.task.model), self.mesh).apply(pp.schedule)
+
+  def exact_cost(self, pp: PartitionedProgram):
+    """The simulated cost of `pp`'s schedule on the task's own program."""
+    from partitioner.cost import simulate
+    return simulate(self.unfolded(pp), self.task.hardware) if self.folding else self.simulator(pp)
+
   def with_budget(self, task: Task) -> "TaskContext":
     """This context for `task`, the same task at another memory budget. The budget only enters
     the reward and the observation's globals, so the states, their cache and the static arrays
@@ -198,18 +223,19 @@ class TaskContext:
     return info.problems[index]
 
 
-def task_context(task: Task, pad_to: Sizes | None = None) -> TaskContext:
+def task_context(task: Task, pad_to: Sizes | None = None, fold: bool = True) -> TaskContext:
   """The shared context of a task, with its cached states. Enough are kept for every task of
   a training distribution (an actor that rebuilt them would lose the states its searches
   revisit), and the budgets of one task share one context."""
-  return _task_context(task, pad_to)
+  return _task_context(task, pad_to, fold)
 
 
 @functools.lru_cache(maxsize=64)
-def _task_context(task: Task, pad_to: Sizes | None) -> TaskContext:
+def _task_context(task: Task, pad_to: Sizes | None, fold: bool) -> TaskContext:
   if task.memory_budget is not None:
-    return _task_context(dataclasses.replace(task, memory_budget=None), pad_to).with_budget(task)
-  return TaskContext(task, pad_to)
+    return _task_context(dataclasses.replace(task, memory_budget=None), pad_to,
+                         fold).with_budget(task)
+  return TaskContext(task, pad_to, fold=fold)
 
 
 task_context.cache_clear = _task_context.cache_clear   # as if task_context were the lru_cache
@@ -224,10 +250,11 @@ class EnvConfig:
 class PartitioningEnv(dm_env.Environment):
   """Partitioning one task per episode, drawn from `tasks` (a `Task`, a list of tasks, or a
   `TaskDistribution`) with the environment's own seeded generator; or always the one task of
-  a given `TaskContext`."""
+  a given `TaskContext`. `fold`: play deep corpus models folded (see `TaskContext`)."""
 
   def __init__(self, tasks: Task | Sequence[Task] | TaskDistribution | TaskContext, *,
-               seed: int = 0, config: EnvConfig = EnvConfig(), pad_to: Sizes | None = None):
+               seed: int = 0, config: EnvConfig = EnvConfig(), pad_to: Sizes | None = None,
+               fold: bool = True):
     self._fixed = tasks if isinstance(tasks, TaskContext) else None
     if self._fixed is not None:
       tasks = [self._fixed.task]
@@ -238,7 +265,7 @@ class PartitioningEnv(dm_env.Environment):
     self._tasks = tasks
     self._rng = np.random.default_rng(seed)
     self.config = config
-    self._pad_to = pad_to
+    self._pad_to, self._fold = pad_to, fold
     self._ctx: TaskContext | None = None
     self._info: StateInfo | None = None
     self._history: tuple[int, ...] = ()
@@ -247,7 +274,7 @@ class PartitioningEnv(dm_env.Environment):
     if self._fixed is not None:
       self._ctx = self._fixed
     elif not isinstance(tasks, TaskDistribution) and len(tasks) == 1:
-      self._ctx = task_context(tasks[0], pad_to)   # specs are known before the first reset
+      self._ctx = task_context(tasks[0], pad_to, fold)   # specs are known before the first reset
 
   # ------------------------------------------------------------------------------ dm_env API
   def reset(self) -> dm_env.TimeStep:
@@ -255,7 +282,7 @@ class PartitioningEnv(dm_env.Environment):
       task = self._tasks.sample(self._rng)
     else:
       task = self._tasks[int(self._rng.integers(len(self._tasks)))]
-    self._ctx = self._fixed or task_context(task, self._pad_to)
+    self._ctx = self._fixed or task_context(task, self._pad_to, self._fold)
     self._info, self._history = self._ctx.root, ()
     self._done, self._fresh = False, False
     return dm_env.restart(self._observation())
@@ -321,6 +348,13 @@ class PartitioningEnv(dm_env.Environment):
   def cost(self):
     """The CostReport of the current state."""
     return self._state().cost
+
+  @property
+  def exact_cost(self):
+    """The CostReport of the current schedule on the task's own program: `cost`, unless the
+    task is played folded (then a simulation of the whole program)."""
+    ctx, info = self._context(), self._state()
+    return info.cost if ctx.folding is None else ctx.exact_cost(info.pp)
 
   @property
   def history(self) -> tuple[int, ...]:

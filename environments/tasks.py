@@ -63,6 +63,50 @@ def load_program(model: str):
   return trace(workload.fn, *workload.args)
 
 
+FOLD_TOLERANCE = 0.01   # largest relative error of a folded step time or peak memory
+
+
+@functools.lru_cache(maxsize=32)
+def folded_program(task: Task):
+  """A `partitioner.folding.Folding` for a task whose corpus model is deeper than three
+  layers: its traces at two and three layers. None for other models, for stacks that do not
+  fold, when the folded program has other actions, and when the folded step time or peak
+  memory of one of the family's expert strategies is off by more than FOLD_TOLERANCE."""
+  import corpus
+  family, _, rest = task.model.partition(":")
+  depth = getattr(corpus.parse(task.model)[1], "layers", 0) if family in corpus.FAMILIES else 0
+  if depth <= 3:
+    return None
+  from environments.actions import action_space, decision_points
+  from partitioner import apply
+  from partitioner.cost import Simulator, simulate
+  from partitioner.folding import fold
+  from partitioner.mesh import Mesh
+  folding = fold(load_program(f"{family}:{rest},layers=2"),
+                 load_program(f"{family}:{rest},layers=3"), depth)
+  if folding is None:
+    return None
+  mesh, whole = Mesh.parse(task.mesh), load_program(task.model)
+  names = lambda p: [str(a) for a in action_space(p, mesh, decision_points(p))]
+  if names(folding.program) != names(whole):
+    return None
+  try:
+    schedules = corpus.experts(family, mesh.names).values()
+  except ShardzeroError:   # nothing to check the folding against
+    return None
+  simulator = Simulator(folding.program, mesh, task.hardware, folding=folding)
+  for schedule in schedules:
+    try:
+      folded, exact = simulator(apply(folding.program, mesh, schedule)), simulate(
+          apply(whole, mesh, schedule), task.hardware)
+    except ShardzeroError:
+      continue
+    if (abs(folded.step_time_s / exact.step_time_s - 1) > FOLD_TOLERANCE or
+        abs(folded.peak_memory_bytes / exact.peak_memory_bytes - 1) > FOLD_TOLERANCE):
+      return None
+  return folding
+
+
 @functools.lru_cache(maxsize=256)
 def data_parallel_peak(task: Task) -> int:
   """Peak bytes per device of pure data parallelism over every axis that divides the batch

@@ -72,14 +72,16 @@ def run(args) -> int:
   env = PartitioningEnv(task, config=EnvConfig(max_steps=max_steps))
   env.reset()
   policy_s, simulations = play_policy(env, policy, args.search, args.budget)
-  found, cost, ctx = env.partitioned, env.cost, env.context
+  ctx = env.context
+  found, cost = ctx.unfolded(env.partitioned), env.exact_cost
   expert = best_expert(evaluate_experts(env.restart_clone())) if is_corpus else None
   result = {
       "model": args.model, "mesh": dict(ctx.mesh.axes), "hardware": ctx.hardware.name,
       "agent": f"policy ({args.search})", "policy": args.policy, "policy_version": version,
       "schedule": found.strategy, "tactics": [str(t) for t in found.schedule],
       "cost": _cost_dict(cost, ctx.budget),
-      "unpartitioned_step_time_s": ctx.root.cost.step_time_s, "score": env.score(),
+      "unpartitioned_step_time_s": env.restart_clone().exact_cost.step_time_s,
+      "score": env.score(),
       "expert": None if expert is None else {
           "name": expert.name, "schedule": expert.schedule,
           "cost": _cost_dict(expert.cost, ctx.budget)},

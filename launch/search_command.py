@@ -109,8 +109,7 @@ def run(args) -> int:
     record = EnvironmentLoop(env, actor, logger=InMemoryLogger()).run_episode()
     search_s = time.perf_counter() - start
     episode_return = float(record["episode_return"])
-    found = env.partitioned
-    cost = env.cost
+    found, cost = env.context.unfolded(env.partitioned), env.exact_cost
     expert = None
     if args.model.partition(":")[0] in corpus.FAMILIES:
       if status:
@@ -125,7 +124,7 @@ def run(args) -> int:
       "agent": args.agent, "schedule": found.strategy,
       "tactics": [str(t) for t in found.schedule],
       "cost": _cost_dict(cost, ctx.budget),
-      "unpartitioned_step_time_s": ctx.root.cost.step_time_s,
+      "unpartitioned_step_time_s": env.restart_clone().exact_cost.step_time_s,
       "score": env.score(), "episode_return": episode_return,
       "expert": None if expert is None else {
           "name": expert.name, "schedule": expert.schedule,

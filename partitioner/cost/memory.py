@@ -86,10 +86,17 @@ class ProgramLiveness:
 
 
 def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
-           capacity: int) -> MemoryReport:
+           capacity: int, folding=None) -> MemoryReport:
   """`divisors`: per value, into how many pieces it is cut; `copies`: per resharded copy, arrays
   (value, pieces, op before which it is made, last reader); `staged`: per result resharded out
-  of place, arrays (op, value, pieces)."""
+  of place, arrays (op, value, pieces).
+
+  With a `folding`, a buffer standing for w of the deep program is one buffer over its own
+  lifetime and w - 1 more that the middle block making or dropping it makes or drops all
+  before it runs (as the deep program is when it runs its last middle layer) or all after it
+  (its first middle layer); the peak is the larger of the two, and the deep program's peak
+  while it runs a middle layer between those lies between them, as its live bytes are linear
+  in the layer.""" 
   per_value = np.floor(live.value_bytes / divisors)
   copy_value, copy_pieces, copy_start, copy_end = copies
   staged_op, staged_value, staged_pieces = staged
@@ -102,19 +109,39 @@ def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
   cats = np.concatenate([live.buffer_category, np.where(copy_category < 2, copy_category, 4),
                          np.full(len(staged_op), 4, np.int8)])
   kinds = np.concatenate([live.buffer_kind, np.full(len(ends) - len(live.end), 2, np.int8)])
+  scenarios = [(starts, ends, nbytes, cats, kinds)]
+  if folding is not None:
+    weight = folding.value_weight[live.buffers]
+    many = np.nonzero(weight > 1)[0]
+    v = live.buffers[many]
+    more = per_value[v] * (weight[many] - 1)
+    scenarios = []
+    for side in (0, 1):   # the last middle layer, the first
+      made, dropped = folding.made_in[v, side], folding.dropped_in[v, side]
+      s = np.where(made >= 0, made + side, starts[many])        # made before or after the block
+      e = np.where(dropped >= 0, dropped + side - 1, ends[many])   # dropped likewise
+      e = np.maximum(e, s - 1)
+      scenarios.append((np.concatenate([starts, s]), np.concatenate([ends, e]),
+                        np.concatenate([nbytes, more]), np.concatenate([cats, cats[many]]),
+                        np.concatenate([kinds, kinds[many]])))
   n = live.n_ops + 2
 
-  def profile(mask):
+  def profile(starts, ends, nbytes, mask):
     """Live bytes at t = 0..n_ops (while op t runs; t = n_ops: after the last op)."""
     delta = (np.bincount(starts[mask], nbytes[mask], minlength=n) -
              np.bincount(ends[mask] + 1, nbytes[mask], minlength=n))
     return np.cumsum(delta)[: live.n_ops + 1]
 
-  total = profile(slice(None))
-  point = int(np.argmax(total))
+  totals = [profile(s, e, b, slice(None)) for s, e, b, _, _ in scenarios]
+  which = int(np.argmax([t.max() for t in totals]))
+  starts, ends, nbytes, cats, kinds = scenarios[which]
+  point = int(np.argmax(totals[which]))
   alive = (starts <= point) & (ends >= point)
   breakdown = {c: int(nbytes[alive & (cats == i)].sum()) for i, c in enumerate(CATEGORIES)}
-  peak = int(total[point])
-  return MemoryReport(peak, point, breakdown, int(nbytes[kinds == 0].sum()),
-                      int(per_value[live.outputs].sum()), int(profile(kinds == 2).max()),
-                      capacity, peak <= capacity)
+  peak = int(totals[which][point])
+  outputs = per_value[live.outputs]
+  if folding is not None:
+    outputs = outputs * folding.value_weight[live.outputs]
+  temp = max(int(profile(s, e, b, k == 2).max()) for s, e, b, _, k in scenarios)
+  return MemoryReport(peak, point, breakdown, int(nbytes[kinds == 0].sum()), int(outputs.sum()),
+                      temp, capacity, peak <= capacity)

@@ -120,11 +120,17 @@ class Simulator:
   collective's result waits for it. A resharded operand copy is prefetched while the previous
   copy's first reader runs (as FSDP prefetches the next layer) and lives from then to its last
   reader.
+
+  `folding` (partitioner.folding) makes `program` stand for a deeper one: op times and
+  collectives count as many times as the ops they stand for, buffers as many as they stand for.
   """
 
   def __init__(self, program, mesh, hardware: Hardware | str, order: Sequence[str] | None = None,
-               donate: bool = True):
+               donate: bool = True, folding=None):
+    if folding is not None and folding.program is not program:
+      raise ValueError("the folding is of another program")
     self.program = program
+    self.folding = folding
     self.hardware = hw = load_hardware(hardware)
     self.placement = Placement(mesh, self.hardware, order)
     self.work = work = ProgramWork.of(program)
@@ -206,16 +212,20 @@ class Simulator:
     hw, work = self.hardware, self.work
     a = self.arrays(pp.plan)
     divisors, flops, nbytes = self.costs(pp, a)
+    timed = self.times(pp.collectives)
+    durations = [t.seconds for t in timed]
+    if self.folding is not None:
+      weight = self.folding.op_weight
+      flops, nbytes = flops * weight, nbytes * weight
+      durations = (np.array(durations) * weight[a.op]).tolist()
     compute = np.bincount(work.group, flops / self.rate, minlength=work.groups)
     memory_s = np.bincount(work.group, nbytes, minlength=work.groups) / (
         hw.hbm_bandwidth * hw.efficiency["memory"])
     kernels = np.maximum(compute, memory_s)
-    timed = self.times(pp.collectives)
-    durations = [t.seconds for t in timed]
     exposed = self._schedule(a, durations, kernels)
     compute_s = float(kernels.sum())
     mem = memory(self.liveness, divisors, (a.copy_value, a.copy_pieces, a.copy_issue, a.copy_last),
-                 (a.staged_op, a.staged_value, a.staged_pieces), hw.hbm_bytes)
+                 (a.staged_op, a.staged_value, a.staged_pieces), hw.hbm_bytes, self.folding)
     return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s, float(sum(durations)),
                       float(sum(exposed)), float(flops.sum()), float(nbytes.sum()), mem,
                       self.placement.describe(), (pp.collectives, timed, exposed))

@@ -1,0 +1,102 @@
+"""Folding a deep layer stack into a three-layer program with multiplicities.
+
+A tactic applied to a stack of identical layers shards every layer alike (decision points
+group a parameter across layers), so layers 1 to L-2 of an L-layer program are partitioned,
+costed and communicate alike. The three-layer trace of the same model keeps what differs
+(the first layer reads the embedding, the last feeds the head) and one middle layer standing
+for L-2: its ops count L-2 times, and so do the buffers that outlive the middle layer's
+blocks (its parameters, optimizer state, gradients, activations kept for the backward pass).
+Everything derived per step (propagation, plan, mask, observation) then runs on three layers
+instead of L.
+
+The middle layer is found without names: the three-layer trace is the two-layer trace with
+blocks of ops inserted (a forward block, a backward block, optimizer blocks); each inserted
+block is moved to the middle of the run of equal blocks it belongs to, which is layer 1 of
+0, 1, 2 in the forward pass, the backward pass and the optimizer alike.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import NamedTuple
+
+import numpy as np
+
+from partitioner.ir import Program
+
+
+class Folding(NamedTuple):
+  """A shallow program standing for a deep one."""
+  program: Program           # the three-layer trace
+  depth: int                 # layers of the program it stands for
+  op_weight: np.ndarray      # per op: how many ops of the deep program it stands for
+  value_weight: np.ndarray   # per value: how many buffers of the deep program it stands for
+  # Per value: the first and last op of the middle block that makes it and of the one that
+  # reads it last (-1: none). The deep program runs such a block once per middle layer, so a
+  # buffer standing for several is made (or dropped) a layer at a time across it.
+  made_in: np.ndarray        # (values, 2)
+  dropped_in: np.ndarray     # (values, 2)
+
+
+def _signature(program: Program, op) -> tuple:
+  values = program.values
+  return (op.name, tuple(values[v].shape for v in op.inputs),
+          tuple(values[v].shape for v in op.outputs))
+
+
+def fold(two: Program, three: Program, depth: int) -> Folding | None:
+  """`three` (the model at three layers) weighted to stand for `depth` layers, given the same
+  model at two layers; None when `three` is not `two` with blocks of ops inserted."""
+  if depth <= 3:
+    raise ValueError(f"folding needs more than three layers, got {depth}")
+  a = [_signature(two, op) for op in two.ops]
+  b = [_signature(three, op) for op in three.ops]
+  middle = np.zeros(len(b), bool)
+  for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+    if tag == "equal":
+      continue
+    if tag != "insert":
+      return None
+    n, block = j2 - j1, b[j1:j2]
+    lo, hi = j1, j2
+    while lo >= n and b[lo - n:lo] == block:
+      lo -= n
+    while hi + n <= len(b) and b[hi:hi + n] == block:
+      hi += n
+    start = lo + (hi - lo) // n // 2 * n
+    middle[start:start + n] = True
+  if not middle.any():
+    return None
+  op_weight = np.where(middle, depth - 2, 1).astype(np.float64)
+  # A buffer stands for depth - 2 when the deep program holds one per middle layer at once:
+  # the middle layer's parameters and optimizer state (inputs it reads last), and what one of
+  # its blocks hands to another (kept activations, gradients for the optimizer, its new
+  # parameters). What one block makes and drops, or hands along a chain between layers (a
+  # gradient flowing back), is live for one layer at a time.
+  block = np.cumsum(np.concatenate([[0], middle[1:] != middle[:-1]]))
+  outputs = set(three.outputs)
+  value_weight = np.ones(len(three.values))
+  first = np.searchsorted(block, block, side="left")
+  last = np.searchsorted(block, block, side="right") - 1
+  made_in = np.full((len(three.values), 2), -1, np.int64)
+  dropped_in = np.full((len(three.values), 2), -1, np.int64)
+  for v, readers in enumerate(three.users):
+    producer = three.values[v].producer
+    if not readers:
+      stands = v in outputs and producer is not None and middle[producer]
+    elif not middle[readers[-1]]:
+      stands = False
+    elif producer is None:
+      stands = True
+    else:
+      blocks = {block[r] for r in readers if middle[r]}
+      if middle[producer]:
+        blocks.add(block[producer])
+      stands = len(blocks) >= 2
+    if stands:
+      value_weight[v] = depth - 2
+      if producer is not None and middle[producer]:
+        made_in[v] = first[producer], last[producer]
+      if readers and producer is not None and v not in outputs:   # else it lives to the end
+        dropped_in[v] = first[readers[-1]], last[readers[-1]]
+  return Folding(three, depth, op_weight, value_weight, made_in, dropped_in)

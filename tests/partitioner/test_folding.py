@@ -1,0 +1,87 @@
+"""Folding a layer stack: a three-layer program with a weighted middle layer costs what the deep
+program costs, and the environment plays it with the deep program's actions."""
+
+import numpy as np
+import pytest
+
+import corpus
+from environments import PartitioningEnv, Task
+from environments.tasks import folded_program, load_program
+from partitioner import apply
+from partitioner.cost import Simulator, simulate
+from partitioner.folding import fold
+from partitioner.mesh import Mesh
+
+DEEP = "gpt:small,layers=6,d_model=256,seq=64,batch=16"
+TASK = Task(DEEP, "batch=2,model=4")
+
+
+def _shallow(layers):
+  return load_program(f"{DEEP},layers={layers}")
+
+
+def _random_schedules(n, seed=0):
+  env = PartitioningEnv(TASK, seed=seed, fold=False)
+  rng, out = np.random.default_rng(seed), []
+  for _ in range(n):
+    env.reset()
+    for _ in range(int(rng.integers(2, 9))):
+      legal = env.legal_actions()
+      env.step(int(rng.choice(legal[:-1] if len(legal) > 1 else legal)))
+      if env.done:
+        break
+    out.append(env.partitioned.strategy)
+  return out
+
+
+def test_folded_costs_equal_the_deep_program_costs():
+  folding = fold(_shallow(2), _shallow(3), 6)
+  assert folding is not None and folding.program is _shallow(3)
+  # One layer's ops and buffers stand for four: the middle of three.
+  assert folding.op_weight.sum() == pytest.approx(len(load_program(DEEP).ops))
+  assert set(np.unique(folding.op_weight)) == {1.0, 4.0}
+  mesh, deep = Mesh.parse(TASK.mesh), load_program(DEEP)
+  simulator = Simulator(folding.program, mesh, "h100", folding=folding)
+  schedules = list(corpus.experts("gpt", mesh.names).values()) + _random_schedules(6)
+  for schedule in schedules:
+    folded = simulator(apply(folding.program, mesh, schedule))
+    exact = simulate(apply(deep, mesh, schedule), "h100")
+    assert folded.compute_s == pytest.approx(exact.compute_s, rel=1e-3), schedule
+    assert folded.comm_s == pytest.approx(exact.comm_s, rel=1e-2, abs=1e-12), schedule
+    assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=1e-2), schedule
+    assert folded.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-2), schedule
+
+
+def test_programs_that_are_not_a_stack_do_not_fold():
+  assert fold(_shallow(2), load_program("mlp:small"), 6) is None
+  with pytest.raises(ValueError, match="more than three layers"):
+    fold(_shallow(2), _shallow(3), 3)
+  with pytest.raises(ValueError, match="another program"):
+    Simulator(_shallow(2), Mesh.parse(TASK.mesh), "h100",
+              folding=fold(_shallow(2), _shallow(3), 6))
+  # Too shallow to gain, no corpus model, or experts whose folded costs are off: not folded.
+  assert folded_program(Task("gpt:small,layers=3", TASK.mesh)) is None
+  assert folded_program(Task("my_model.py:build", TASK.mesh)) is None
+  assert folded_program(Task("moe:small,layers=6,d_model=256", TASK.mesh)) is None
+
+
+def test_the_environment_plays_a_folded_task_with_the_deep_actions_and_exact_costs():
+  folded, whole = PartitioningEnv(TASK, seed=0), PartitioningEnv(TASK, seed=0, fold=False)
+  assert folded.context.folding is not None and whole.context.folding is None
+  assert folded.context.program is _shallow(3) and whole.context.program is load_program(DEEP)
+  assert folded.context.actions == whole.context.actions
+  folded.reset()
+  whole.reset()
+  rng = np.random.default_rng(3)
+  for _ in range(6):
+    a = int(rng.choice(folded.legal_actions()[:-1]))
+    folded.step(a)
+    whole.step(a)
+    assert np.array_equal(folded.legal_actions(), whole.legal_actions())
+    assert folded.exact_cost.step_time_s == pytest.approx(whole.cost.step_time_s, rel=1e-9)
+    assert folded.exact_cost.peak_memory_bytes == whole.cost.peak_memory_bytes
+    assert folded.cost.step_time_s == pytest.approx(whole.cost.step_time_s, rel=1e-2)
+  unfolded = folded.context.unfolded(folded.partitioned)
+  assert unfolded.program is load_program(DEEP)
+  assert unfolded.strategy == whole.partitioned.strategy
+  assert unfolded.input_shardings() == whole.partitioned.input_shardings()
