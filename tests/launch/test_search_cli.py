@@ -27,6 +27,24 @@ def test_search_json_fields_and_replayable_schedule(capsys):
   assert json.loads(out)["cost"]["step_time_s"] == pytest.approx(data["cost"]["step_time_s"])
 
 
+def test_search_on_a_folded_model_reports_the_whole_program(capsys):
+  deep = "gpt:small,layers=6,d_model=256,seq=64,batch=16"
+  code, out, _ = run(capsys, "search", deep, "--mesh", "batch=2,model=4", "--agent", "mcts",
+                     "--budget", "20", "--json", "-")
+  assert code == 0
+  data = json.loads(out)
+  code, out, _ = run(capsys, "partition", deep, "--mesh", "batch=2,model=4", "--tactics",
+                     data["schedule"], "--json", "-")
+  assert code == 0
+  whole = json.loads(out)["cost"]
+  assert data["cost"]["step_time_s"] == pytest.approx(whole["step_time_s"], rel=1e-9)
+  assert data["cost"]["peak_memory_bytes"] == whole["peak_memory_bytes"]
+  code, out, _ = run(capsys, "partition", deep, "--mesh", "batch=2,model=4", "--tactics",
+                     data["expert"]["schedule"], "--json", "-")
+  assert json.loads(out)["cost"]["step_time_s"] == pytest.approx(
+      data["expert"]["cost"]["step_time_s"], rel=1e-9)
+
+
 def test_search_prints_the_comparison(capsys):
   code, out, _ = run(capsys, "search", "mlp:small", "--mesh", "batch=4,model=2",
                      "--agent", "greedy")
