@@ -133,28 +133,29 @@ class TaskContext:
     else:
       sharding = parent.sharding.copy()
       changed = sorted(state.changed)
-    origin = state.origin
-    decided = [v in self._members and any(
-        (o := origin.get((v, a))) is not None and o.op is None for d in state.dims[v] for a in d)
+    origin, dims, members = state.origin, state.dims, self._members
+    decided = [v in members and any(
+        (o := origin.get((v, a))) is not None and o.op is None for d in dims[v] for a in d)
         for v in changed]
-    self.graph.sharding_rows(state.dims, changed, decided, sharding)
+    self.graph.sharding_rows(dims, changed, decided, sharding)
     # A Zobrist sum over values, so a step rehashes only the values it changed.
-    term = self._term
+    zobrist, term = self._zobrist, self._term
     if parent is None:
-      layout = sum(term(v, d) for v, d in enumerate(state.dims)) & _MASK64
+      layout = sum(term((v, d)) for v, d in enumerate(dims)) & _MASK64
     else:
-      old = parent.pp.state.dims
-      layout = (parent.layout + sum(term(v, state.dims[v]) - term(v, old[v])
-                                    for v in changed)) & _MASK64
+      old, layout = parent.pp.state.dims, parent.layout
+      for v in changed:
+        layout += (zobrist.get((v, dims[v])) or term((v, dims[v]))) - zobrist[(v, old[v])]
+      layout &= _MASK64
     key = hash((layout, tuple(sorted(state.forbidden.items())),
                 frozenset(str(t) for t in pp.schedule if not isinstance(t, Tile))))
     return StateInfo(pp, self.simulator(pp), self._mask(pp, parent), sharding, {}, key, layout)
 
-  def _term(self, v: int, dims) -> int:
-    """Value `v` sharded as `dims`, as a random 64-bit number. Random, not Python's hash:
-    tuple hashes are nearly additive in their items, so a sum of them would cancel `v` out
-    and the same tile on two values of one shape would give equal keys."""
-    key = (v, dims)
+  def _term(self, key: tuple) -> int:
+    """Value `v` sharded as `dims` (`key` = (v, dims)), as a random 64-bit number.
+    Random, not Python's hash: tuple hashes are nearly additive in their items, so a sum of
+    them would cancel `v` out and the same tile on two values of one shape would give equal
+    keys."""
     term = self._zobrist.get(key)
     if term is None:
       term = self._zobrist[key] = self._random.getrandbits(64)

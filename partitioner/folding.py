@@ -12,7 +12,9 @@ instead of L.
 The middle layer is found without names: the three-layer trace is the two-layer trace with
 blocks of ops inserted (a forward block, a backward block, optimizer blocks); each inserted
 block is moved to the middle of the run of equal blocks it belongs to, which is layer 1 of
-0, 1, 2 in the forward pass, the backward pass and the optimizer alike.
+0, 1, 2 in the forward pass, the backward pass and the optimizer alike, or, where the run does
+not tell (two equal blocks of three), to the copy that reads the most of what the middle
+blocks before it read or made: the backward that reads the middle layer's activations.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def fold(two: Program, three: Program, depth: int) -> Folding | None:
   a = [_signature(two, op) for op in two.ops]
   b = [_signature(three, op) for op in three.ops]
   middle = np.zeros(len(b), bool)
+  touched = np.zeros(len(three.values), bool)   # read or made by the middle blocks
   for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
     if tag == "equal":
       continue
@@ -63,8 +66,15 @@ def fold(two: Program, three: Program, depth: int) -> Folding | None:
       lo -= n
     while hi + n <= len(b) and b[hi:hi + n] == block:
       hi += n
-    start = lo + (hi - lo) // n // 2 * n
+    # The middle of the run, unless one copy reads more of what the middle blocks chosen so
+    # far read or make: a run of two (the third layer's backward differs) has no middle, and
+    # the middle layer's backward is the copy that reads its parameters and activations.
+    center = lo + (hi - lo) // n // 2 * n
+    start = max(range(lo, hi, n), key=lambda s: (
+        sum(touched[v] for op in three.ops[s:s + n] for v in op.inputs), -abs(s - center)))
     middle[start:start + n] = True
+    for op in three.ops[start:start + n]:
+      touched[list(op.inputs) + list(op.outputs)] = True
   if not middle.any():
     return None
   op_weight = np.where(middle, depth - 2, 1).astype(np.float64)

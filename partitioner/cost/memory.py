@@ -96,7 +96,7 @@ def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
   before it runs (as the deep program is when it runs its last middle layer) or all after it
   (its first middle layer); the peak is the larger of the two, and the deep program's peak
   while it runs a middle layer between those lies between them, as its live bytes are linear
-  in the layer.""" 
+  in the layer."""
   per_value = np.floor(live.value_bytes / divisors)
   copy_value, copy_pieces, copy_start, copy_end = copies
   staged_op, staged_value, staged_pieces = staged
