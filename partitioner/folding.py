@@ -10,11 +10,11 @@ Everything derived per step (propagation, plan, mask, observation) then runs on 
 instead of L.
 
 The middle layer is found without names: the three-layer trace is the two-layer trace with
-blocks of ops inserted (a forward block, a backward block, optimizer blocks); each inserted
-block is moved to the middle of the run of equal blocks it belongs to, which is layer 1 of
-0, 1, 2 in the forward pass, the backward pass and the optimizer alike, or, where the run does
-not tell (two equal blocks of three), to the copy that reads the most of what the middle
-blocks before it read or made: the backward that reads the middle layer's activations.
+blocks of ops inserted (a forward block, a backward block, optimizer blocks). Each inserted
+block is moved, within the run of equal blocks it belongs to, to the copy that reads the most
+of what the middle blocks before it read or made (the backward that reads the middle layer's
+activations, the updates of its parameters), and where that does not tell, to the middle of
+the run: layer 1 of 0, 1, 2.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def fold(two: Program, three: Program, depth: int) -> Folding | None:
       lo -= n
     while hi + n <= len(b) and b[hi:hi + n] == block:
       hi += n
-    # The middle of the run, unless one copy reads more of what the middle blocks chosen so
-    # far read or make: a run of two (the third layer's backward differs) has no middle, and
-    # the middle layer's backward is the copy that reads its parameters and activations.
+    # Position alone can mislead: where one layer's backward differs from the others (t5's
+    # decoder) the run is two blocks long, and which of the two is layer 1 shows in what it
+    # reads.
     center = lo + (hi - lo) // n // 2 * n
     start = max(range(lo, hi, n), key=lambda s: (
         sum(touched[v] for op in three.ops[s:s + n] for v in op.inputs), -abs(s - center)))
