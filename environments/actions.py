@@ -102,6 +102,16 @@ def check_tactic(tactic: Tactic, state: ShardingState, index: int) -> str | None
   return None
 
 
+def tactic_footprint(tactic: Tactic, program: Program, mesh: Mesh) -> frozenset[int]:
+  """The values a manual tactic other than ZeRO tiles on the unpartitioned program. Its
+  targets depend on the program alone, so its dry run on any state reads the shardings and
+  forbidden axes of these values only: its legality can change only when one of them does."""
+  state = ShardingState(program, mesh)
+  state.changed.clear()
+  tactic.apply(TacticContext(state, 0, dry_run=True))
+  return frozenset(state.changed)
+
+
 def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
                  axes: Sequence[str] | None = None) -> list[Action]:
   """Every action of a task over `axes` (default: all): the tiles that divide, the manual

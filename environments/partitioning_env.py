@@ -17,6 +17,7 @@ agents plan with) and repeated episodes re-simulate nothing they have seen.
 
 from __future__ import annotations
 
+import array
 import collections
 import copy
 import dataclasses
@@ -29,7 +30,7 @@ import numpy as np
 from dm_env import specs
 
 from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
-                                  decision_points, tile_problem)
+                                  decision_points, tactic_footprint, tile_problem)
 from environments.observations import Sizes, StaticGraph, observation_spec
 from environments.tasks import Task, TaskDistribution, folded_program, load_program
 from partitioner.errors import ShardzeroError
@@ -55,6 +56,7 @@ class StateInfo(NamedTuple):
   problems: dict                   # action index -> why it is masked (filled on demand)
   key: int                         # equal for equal partitioning states (transpositions)
   layout: int                      # sum of the values' Zobrist terms, updated per step
+  terms: array.array               # per value, its Zobrist term
 
 
 class TaskContext:
@@ -105,6 +107,9 @@ class TaskContext:
             self._tiles_of[v].append(i)
     self._tiles = [i for i, a in enumerate(self.actions) if a.kind == "tile"]
     self._others = [i for i, a in enumerate(self.actions) if a.kind != "tile"]
+    # Per manual tactic but ZeRO: the values whose sharding its legality depends on.
+    self._footprint = {i: tactic_footprint(self.actions[i].tactic, program, mesh)
+                       for i in self._others if self.actions[i].kind not in ("ZeRO", "finish")}
     self._zobrist: dict[tuple, int] = {}   # (value, dims) -> its random 64-bit term
     self._random = random.Random(0)
     self._cache: collections.OrderedDict = collections.OrderedDict()
@@ -141,15 +146,19 @@ class TaskContext:
     # A Zobrist sum over values, so a step rehashes only the values it changed.
     zobrist, term = self._zobrist, self._term
     if parent is None:
-      layout = sum(term((v, d)) for v, d in enumerate(dims)) & _MASK64
+      terms = array.array("Q", (term((v, d)) for v, d in enumerate(dims)))
+      layout = sum(terms) & _MASK64
     else:
-      old, layout = parent.pp.state.dims, parent.layout
+      terms, layout = array.array("Q", parent.terms), parent.layout
       for v in changed:
-        layout += (zobrist.get((v, dims[v])) or term((v, dims[v]))) - zobrist[(v, old[v])]
+        new = zobrist.get((v, dims[v])) or term((v, dims[v]))
+        layout += new - terms[v]
+        terms[v] = new
       layout &= _MASK64
     key = hash((layout, tuple(sorted(state.forbidden.items())),
-                frozenset(str(t) for t in pp.schedule if not isinstance(t, Tile))))
-    return StateInfo(pp, self.simulator(pp), self._mask(pp, parent), sharding, {}, key, layout)
+                frozenset(t for t in pp.schedule if not isinstance(t, Tile))))
+    return StateInfo(pp, self.simulator(pp), self._mask(pp, parent), sharding, {}, key, layout,
+                     terms)
 
   def _term(self, key: tuple) -> int:
     """Value `v` sharded as `dims` (`key` = (v, dims)), as a random 64-bit number.
@@ -162,10 +171,12 @@ class TaskContext:
     return term
 
   def _mask(self, pp: PartitionedProgram, parent: StateInfo | None) -> np.ndarray:
-    """The legal actions; a tile's legality depends on its members' shardings only, so those
-    of members that did not change since `parent` are kept."""
+    """The legal actions. A tile's legality depends on its members' shardings only, and a
+    manual tactic's on its footprint's, so the bits of those that did not change since
+    `parent` are kept."""
     state = pp.state
-    if parent is None or state.forbidden != parent.pp.state.forbidden:
+    fresh = parent is None or state.forbidden != parent.pp.state.forbidden
+    if fresh:
       mask, tiles = np.zeros(self.graph.sizes.actions, bool), self._tiles
     else:
       mask = parent.mask.copy()
@@ -173,17 +184,18 @@ class TaskContext:
     for i in tiles:
       action = self.actions[i]
       mask[i] = tile_problem(state, self.points[action.point], action.dim, action.axis) is None
-    applied = {str(t) for t in pp.schedule}
-    zero_axes = {t.axis for t in pp.schedule if isinstance(t, ZeRO)}
+    applied = set(pp.schedule)
+    zero_axes = {t.axis for t in applied if isinstance(t, ZeRO)}
     for i in self._others:
       action = self.actions[i]
       if action.kind == "finish":
         mask[i] = True
       elif action.kind == "ZeRO":
         mask[i] = action.axis not in zero_axes
-      else:
-        mask[i] = str(action) not in applied and check_tactic(
-            action.tactic, state, len(pp.schedule)) is None
+      elif action.tactic in applied:
+        mask[i] = False
+      elif fresh or not self._footprint[i].isdisjoint(state.changed):
+        mask[i] = check_tactic(action.tactic, state, len(pp.schedule)) is None
     return mask
 
   def unfolded(self, pp: PartitionedProgram) -> PartitionedProgram:
@@ -216,7 +228,7 @@ class TaskContext:
         why = tile_problem(pp.state, self.points[action.point], action.dim, action.axis)
       elif action.kind == "ZeRO":
         why = f"ZeRO over {action.axis!r} was applied already"
-      elif str(action) in {str(t) for t in pp.schedule}:
+      elif action.tactic in pp.schedule:
         why = "it was applied already"
       else:
         why = check_tactic(action.tactic, pp.state, len(pp.schedule))

@@ -148,6 +148,9 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
   staged: list[Staged] = []
   made: dict = {}           # (value, layout, in forward pass) -> copy
   forward = forward_ops(program)
+  writes_of = memo.get("writes")   # per op: (its plan, the collectives and staged results)
+  if writes_of is None:
+    writes_of = memo["writes"] = [None] * len(program_ops)
   for i in communicating:
     op, op_plan = program_ops[i], ops[i]
     for k in op_plan.reads:
@@ -162,12 +165,12 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
         copies[c] = copies[c]._replace(last=i)
       copy_of[(i, k)] = c
     if op_plan.writes:   # the same for every state where op i has this plan
-      written = memo.get(("writes", i))
+      written = writes_of[i]
       if written is None or written[0] is not op_plan:
         made_here: list[Collective] = []
         for k, _ in op_plan.writes:
           _record(made_here, op_plan.result_steps[k], op.outputs[k], i)
-        written = memo[("writes", i)] = (op_plan, made_here, [
+        written = writes_of[i] = (op_plan, made_here, [
             Staged(i, op.outputs[k], op_plan.result[k].dims) for k, out in op_plan.writes if out])
       collectives += written[1]
       staged += written[2]

@@ -149,14 +149,16 @@ def test_mask_matches_what_applying_does():
       assert not ok, (action, ctx.problem(env._info, i))
 
 
-def test_masks_and_keys_updated_from_the_previous_state_equal_those_made_afresh():
-  """Each state's mask is its parent's with the tiles of changed values re-checked, and its
-  key its parent's with the changed values rehashed."""
-  env = PartitioningEnv(GPT, seed=3)
+@pytest.mark.parametrize("task", [GPT, Task("moe:small", "batch=2,model=4")], ids=str)
+def test_masks_and_keys_updated_from_the_previous_state_equal_those_made_afresh(task):
+  """Each state's mask is its parent's with the tiles and manual tactics whose values changed
+  re-checked, and its key its parent's with the changed values rehashed."""
+  env = PartitioningEnv(task, seed=3)
   rng = np.random.default_rng(3)
   ctx, checked = env.context, 0
+  assert ctx.index["ExpertParallel(model)" if "moe" in task.model else "Megatron(model)"]
   zero = env.action_index("ZeRO(batch, stage=1)")   # forbids axes: every tile is re-checked
-  for episode in range(4):
+  for episode in range(6):
     ts = env.reset()
     if episode % 2:
       ts = env.step(zero)
