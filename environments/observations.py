@@ -213,16 +213,17 @@ class StaticGraph:
     bytes (they are 0 or 1); the padded float32 rows exist only in an observation."""
     return np.zeros((len(self.program.values), SHARDING_FEATURES), np.uint8)
 
-  def sharding_rows(self, dims_list: Sequence, ids: Sequence[int], decided: Sequence[bool],
-                    into: np.ndarray) -> None:
-    """Writes the sharding features of values `ids` (one-hot dim x axis, decided flag)."""
+  def sharding_rows(self, dims_list: Sequence, layout: Sequence[int], ids: Sequence[int],
+                    decided: Sequence[bool], into: np.ndarray) -> None:
+    """Writes the sharding features of values `ids` (one-hot dim x axis, decided flag);
+    `layout` names each value's dims (`ShardingState.layout`)."""
     rows = self._rows
     for vid, flag in zip(ids, decided):
-      key = (dims_list[vid], flag)
+      key = (layout[vid], flag)
       row = rows.get(key)
       if row is None:
         row = np.zeros(SHARDING_FEATURES, np.uint8)
-        for d, axes in enumerate(key[0]):
+        for d, axes in enumerate(dims_list[vid]):
           for a in axes:
             row[min(d, MAX_RANK - 1) * MAX_AXES + self.axis_index[a]] = 1
         row[-1] = flag

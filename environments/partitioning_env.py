@@ -110,7 +110,7 @@ class TaskContext:
     # Per manual tactic but ZeRO: the values whose sharding its legality depends on.
     self._footprint = {i: tactic_footprint(self.actions[i].tactic, program, mesh)
                        for i in self._others if self.actions[i].kind not in ("ZeRO", "finish")}
-    self._zobrist: dict[tuple, int] = {}   # (value, dims) -> its random 64-bit term
+    self._zobrist: dict[tuple, int] = {}   # (value, layout_id) -> its random 64-bit term
     self._random = random.Random(0)
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self.cache_size = cache_size
@@ -142,16 +142,17 @@ class TaskContext:
     decided = [v in members and any(
         (o := origin.get((v, a))) is not None and o.op is None for d in dims[v] for a in d)
         for v in changed]
-    self.graph.sharding_rows(dims, changed, decided, sharding)
+    ids = state.layout
+    self.graph.sharding_rows(dims, ids, changed, decided, sharding)
     # A Zobrist sum over values, so a step rehashes only the values it changed.
     zobrist, term = self._zobrist, self._term
     if parent is None:
-      terms = array.array("Q", (term((v, d)) for v, d in enumerate(dims)))
+      terms = array.array("Q", (term((v, i)) for v, i in enumerate(ids)))
       layout = sum(terms) & _MASK64
     else:
       terms, layout = array.array("Q", parent.terms), parent.layout
       for v in changed:
-        new = zobrist.get((v, dims[v])) or term((v, dims[v]))
+        new = zobrist.get((v, ids[v])) or term((v, ids[v]))
         layout += new - terms[v]
         terms[v] = new
       layout &= _MASK64
@@ -161,7 +162,7 @@ class TaskContext:
                      terms)
 
   def _term(self, key: tuple) -> int:
-    """Value `v` sharded as `dims` (`key` = (v, dims)), as a random 64-bit number.
+    """Value `v` sharded as its dims (`key` = (v, their layout_id)), as a random 64-bit number.
     Random, not Python's hash: tuple hashes are nearly additive in their items, so a sum of
     them would cancel `v` out and the same tile on two values of one shape would give equal
     keys."""

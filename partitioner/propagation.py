@@ -32,6 +32,18 @@ UNSHARDED = 1 << 30  # priority of a value no tactic has reached
 MEMO_LIMIT = 1 << 18  # remembered op outcomes per program and mesh
 
 
+_LAYOUT_IDS: dict = {}
+
+
+def layout_id(dims: Dims) -> int:
+  """A small integer naming `dims` (the same in every state and program): memo keys built from
+  these hash in one step, where nested tuples of axis names are rehashed item by item."""
+  i = _LAYOUT_IDS.get(dims)
+  if i is None:
+    i = _LAYOUT_IDS[dims] = len(_LAYOUT_IDS)
+  return i
+
+
 def priority_order(prios):
   """Priorities as a merge sees them: only their order matters (and which are unsharded), so
   the same tuple with dense ranks lets states reached by different schedules share outcomes."""
@@ -56,7 +68,7 @@ class OpTensors(NamedTuple):
 class Transfer(NamedTuple):
   """The outcome of visiting an op, by tensor position: conflicts met, then new dims to set."""
   conflicts: tuple[tuple[int, Axes, int, Axes], ...]   # (kept tensor, axes, dropped tensor, axes)
-  updates: tuple[tuple[int, Dims, Axes], ...]          # (tensor, its new dims, axes it gained)
+  updates: tuple[tuple[int, Dims, Axes, int], ...]     # (tensor, new dims, axes gained, layout_id)
 
 
 class FactorTable:
@@ -147,7 +159,7 @@ class ShardingState:
   """Per-value shardings with their origins and the axes tactics forbade. Cheap to copy.
 
   `prio[v]` is the earliest phase (one tile-then-propagate round of a tactic) that sharded v;
-  merges let earlier phases win. `changed` holds the values whose sharding or priority changed
+  merges let earlier phases win. `layout[v]` is `layout_id(dims[v])`. `changed` holds the values whose sharding or priority changed
   since the state was copied, so what is derived from the copy's source can be updated.
   """
 
@@ -157,6 +169,7 @@ class ShardingState:
     self.sizes = mesh.sizes
     self.table = factor_table(program)
     self.dims: list[Dims] = [((),) * v.rank for v in program.values]
+    self.layout: list[int] = [layout_id(d) for d in self.dims]
     self.prio: list[int] = [UNSHARDED] * len(program.values)
     self.forbidden: dict[int, frozenset[str]] = {}
     self.origin: dict[tuple[int, str], Origin] = {}
@@ -168,7 +181,7 @@ class ShardingState:
   def copy(self) -> "ShardingState":
     new = object.__new__(ShardingState)
     new.program, new.mesh, new.sizes, new.table = self.program, self.mesh, self.sizes, self.table
-    new.dims = list(self.dims)
+    new.dims, new.layout = list(self.dims), list(self.layout)
     new.prio = list(self.prio)
     new.forbidden = dict(self.forbidden)
     new.origin = dict(self.origin)
@@ -183,6 +196,7 @@ class ShardingState:
     new = object.__new__(ShardingState)
     new.__dict__.update(self.__dict__)
     new.dims, new.prio, new.forbidden = list(self.dims), list(self.prio), dict(self.forbidden)
+    new.layout = list(self.layout)
     new.origin = collections.ChainMap({}, self.origin)
     new._conflicts, new._conflict_keys, new.changed = [], set(), set()
     return new
@@ -264,6 +278,7 @@ class ShardingState:
 
   def _set(self, vid: int, dims: Dims, added: Axes, origin: Origin) -> None:
     self.dims[vid] = dims
+    self.layout[vid] = layout_id(dims)
     self.changed.add(vid)
     for a in added:
       self.origin[(vid, a)] = origin
@@ -354,7 +369,7 @@ class ShardingState:
             gained += add
         if new is not None:
           now[v] = tuple(new)
-          updates.append((k, now[v], gained))
+          updates.append((k, now[v], gained, layout_id(now[v])))
     return Transfer(tuple(conflicts), tuple(updates))
 
   @property
@@ -379,8 +394,8 @@ class ShardingState:
     touching = table.touching
     entries = table.entries
     memo = table.memo(self.mesh)
-    dims, prio, forbidden, origin, changed = (self.dims, self.prio, self.forbidden, self.origin,
-                                             self.changed)
+    dims, layout, prio, forbidden, origin, changed = (
+        self.dims, self.layout, self.prio, self.forbidden, self.origin, self.changed)
     phase = self.phase
     queue: list[int] = []
     queued = bytearray(len(program.ops))
@@ -397,7 +412,7 @@ class ShardingState:
       visits += 1
       entry = entries[index] or table[index]
       pick = entry.pick
-      key = (entry.klass, pick(dims), pick(prio),
+      key = (entry.klass, pick(layout), pick(prio),
              tuple(map(forbidden.get, entry.vids)) if forbidden else None)
       transfer = memo.get(key)
       if transfer is None:
@@ -412,9 +427,10 @@ class ShardingState:
         continue
       why = tuple.__new__(Origin, (tactic, index))
       vids = entry.vids
-      for k, new, gained in transfer.updates:
+      for k, new, gained, new_id in transfer.updates:
         v = vids[k]
         dims[v] = new
+        layout[v] = new_id
         changed.add(v)
         for a in gained:
           origin[(v, a)] = why
