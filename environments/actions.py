@@ -104,7 +104,7 @@ def check_tactic(tactic: Tactic, state: ShardingState, index: int) -> str | None
 
 def tactic_footprint(tactic: Tactic, program: Program, mesh: Mesh) -> frozenset[int]:
   """The values a manual tactic other than ZeRO tiles on the unpartitioned program. Its
-  targets depend on the program alone, so its dry run on any state reads the shardings and
+  targets depend on the program and mesh alone, so its dry run on any state reads the shardings and
   forbidden axes of these values only: its legality can change only when one of them does."""
   state = ShardingState(program, mesh)
   state.changed.clear()

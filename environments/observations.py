@@ -213,13 +213,13 @@ class StaticGraph:
     bytes (they are 0 or 1); the padded float32 rows exist only in an observation."""
     return np.zeros((len(self.program.values), SHARDING_FEATURES), np.uint8)
 
-  def sharding_rows(self, dims_list: Sequence, layout: Sequence[int], ids: Sequence[int],
+  def sharding_rows(self, dims_list: Sequence, layout_ids: Sequence[int], ids: Sequence[int],
                     decided: Sequence[bool], into: np.ndarray) -> None:
     """Writes the sharding features of values `ids` (one-hot dim x axis, decided flag);
-    `layout` names each value's dims (`ShardingState.layout`)."""
+    `layout_ids` names each value's dims (`ShardingState.layout_ids`)."""
     rows = self._rows
     for vid, flag in zip(ids, decided):
-      key = (layout[vid], flag)
+      key = (layout_ids[vid], flag)
       row = rows.get(key)
       if row is None:
         row = np.zeros(SHARDING_FEATURES, np.uint8)

@@ -142,17 +142,17 @@ class TaskContext:
     decided = [v in members and any(
         (o := origin.get((v, a))) is not None and o.op is None for d in dims[v] for a in d)
         for v in changed]
-    ids = state.layout
-    self.graph.sharding_rows(dims, ids, changed, decided, sharding)
+    layout_ids = state.layout_ids
+    self.graph.sharding_rows(dims, layout_ids, changed, decided, sharding)
     # A Zobrist sum over values, so a step rehashes only the values it changed.
     zobrist, term = self._zobrist, self._term
     if parent is None:
-      terms = array.array("Q", (term((v, i)) for v, i in enumerate(ids)))
+      terms = array.array("Q", (term((v, i)) for v, i in enumerate(layout_ids)))
       layout = sum(terms) & _MASK64
     else:
       terms, layout = array.array("Q", parent.terms), parent.layout
       for v in changed:
-        new = zobrist.get((v, ids[v])) or term((v, ids[v]))
+        new = zobrist.get((v, layout_ids[v])) or term((v, layout_ids[v]))
         layout += new - terms[v]
         terms[v] = new
       layout &= _MASK64

@@ -80,7 +80,7 @@ def _op_plan(state: ShardingState, op, memo: dict) -> OpPlan:
   table = state.table
   entry = table.entries[op.index] or table[op.index]
   pick = entry.pick
-  key = ("plan", entry.klass, pick(state.layout), pick(state.prio))
+  key = ("plan", entry.klass, pick(state.layout_ids), pick(state.prio))
   plan = memo.get(key)
   if plan is None:
     general = key[:3] + (priority_order(key[3]),)

@@ -36,8 +36,9 @@ _LAYOUT_IDS: dict = {}
 
 
 def layout_id(dims: Dims) -> int:
-  """A small integer naming `dims` (the same in every state and program): memo keys built from
-  these hash in one step, where nested tuples of axis names are rehashed item by item."""
+  """A small integer naming `dims` (the same in every state and program; there are few distinct
+  layouts): memo keys built from these hash in one step, where nested tuples of axis names are
+  rehashed item by item."""
   i = _LAYOUT_IDS.get(dims)
   if i is None:
     i = _LAYOUT_IDS[dims] = len(_LAYOUT_IDS)
@@ -159,8 +160,9 @@ class ShardingState:
   """Per-value shardings with their origins and the axes tactics forbade. Cheap to copy.
 
   `prio[v]` is the earliest phase (one tile-then-propagate round of a tactic) that sharded v;
-  merges let earlier phases win. `layout[v]` is `layout_id(dims[v])`. `changed` holds the values whose sharding or priority changed
-  since the state was copied, so what is derived from the copy's source can be updated.
+  merges let earlier phases win. `layout_ids[v]` is `layout_id(dims[v])`, what memo keys use.
+  `changed` holds the values whose sharding or priority changed since the state was copied, so
+  what is derived from the copy's source can be updated.
   """
 
   def __init__(self, program: Program, mesh: Mesh):
@@ -169,7 +171,7 @@ class ShardingState:
     self.sizes = mesh.sizes
     self.table = factor_table(program)
     self.dims: list[Dims] = [((),) * v.rank for v in program.values]
-    self.layout: list[int] = [layout_id(d) for d in self.dims]
+    self.layout_ids: list[int] = [layout_id(d) for d in self.dims]
     self.prio: list[int] = [UNSHARDED] * len(program.values)
     self.forbidden: dict[int, frozenset[str]] = {}
     self.origin: dict[tuple[int, str], Origin] = {}
@@ -181,7 +183,7 @@ class ShardingState:
   def copy(self) -> "ShardingState":
     new = object.__new__(ShardingState)
     new.program, new.mesh, new.sizes, new.table = self.program, self.mesh, self.sizes, self.table
-    new.dims, new.layout = list(self.dims), list(self.layout)
+    new.dims, new.layout_ids = list(self.dims), list(self.layout_ids)
     new.prio = list(self.prio)
     new.forbidden = dict(self.forbidden)
     new.origin = dict(self.origin)
@@ -196,7 +198,7 @@ class ShardingState:
     new = object.__new__(ShardingState)
     new.__dict__.update(self.__dict__)
     new.dims, new.prio, new.forbidden = list(self.dims), list(self.prio), dict(self.forbidden)
-    new.layout = list(self.layout)
+    new.layout_ids = list(self.layout_ids)
     new.origin = collections.ChainMap({}, self.origin)
     new._conflicts, new._conflict_keys, new.changed = [], set(), set()
     return new
@@ -278,7 +280,7 @@ class ShardingState:
 
   def _set(self, vid: int, dims: Dims, added: Axes, origin: Origin) -> None:
     self.dims[vid] = dims
-    self.layout[vid] = layout_id(dims)
+    self.layout_ids[vid] = layout_id(dims)
     self.changed.add(vid)
     for a in added:
       self.origin[(vid, a)] = origin
@@ -395,7 +397,7 @@ class ShardingState:
     entries = table.entries
     memo = table.memo(self.mesh)
     dims, layout, prio, forbidden, origin, changed = (
-        self.dims, self.layout, self.prio, self.forbidden, self.origin, self.changed)
+        self.dims, self.layout_ids, self.prio, self.forbidden, self.origin, self.changed)
     phase = self.phase
     queue: list[int] = []
     queued = bytearray(len(program.ops))
