@@ -2,8 +2,9 @@
 
 For each task: the one-off set-up (trace, action space, static arrays, first simulation);
 steps per second of random legal episodes that reach new states (apply the tactic, update the
-SPMD plan, re-simulate, mask and observe); steps per second replaying the same episodes (the
-task's cache of states, what search revisits cost); and MCTS simulations per second.
+SPMD plan, re-simulate, mask and observe) and the share of that time the garbage collector
+took; steps per second replaying the same episodes (the task's cache of states, what search
+revisits cost); and MCTS simulations per second.
 Goal (issue 5): at least 200 new-state steps/s for a 12-layer GPT task on one core. Deep
 models are played folded (three layers, the middle one weighted) unless `--no-fold`; the
 12-layer GPT is measured both ways.
@@ -13,6 +14,8 @@ Prints a table and writes benchmarks/results/environment.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import sys
 import time
@@ -37,6 +40,25 @@ TASKS = (
 )
 
 
+@contextlib.contextmanager
+def collector_time():
+  """Seconds the garbage collector runs inside the block (`gc.callbacks`), in a list of one: a
+  share of the step that wall-clock noise on a shared machine does not move."""
+  spent, started = [0.0], [0.0]
+
+  def callback(phase, info):
+    if phase == "start":
+      started[0] = time.perf_counter()
+    else:
+      spent[0] += time.perf_counter() - started[0]
+
+  gc.callbacks.append(callback)
+  try:
+    yield spent
+  finally:
+    gc.callbacks.remove(callback)
+
+
 def measure(label: str, task: Task, steps: int, simulations: int, fold: bool = True,
             seed: int = 0) -> dict:
   task_context.cache_clear()
@@ -48,14 +70,15 @@ def measure(label: str, task: Task, steps: int, simulations: int, fold: bool = T
   rng = np.random.default_rng(seed)
   episodes, taken = [], 0
   start = time.perf_counter()
-  while taken < steps:
-    ts, actions = env.reset(), []
-    while not ts.last() and taken < steps:
-      a = int(rng.choice(env.legal_actions()))
-      ts = env.step(a)
-      actions.append(a)
-      taken += 1
-    episodes.append(actions)
+  with collector_time() as gc_s:
+    while taken < steps:
+      ts, actions = env.reset(), []
+      while not ts.last() and taken < steps:
+        a = int(rng.choice(env.legal_actions()))
+        ts = env.step(a)
+        actions.append(a)
+        taken += 1
+      episodes.append(actions)
   fresh_s = time.perf_counter() - start
   new_states = len(ctx._cache)
   # The same episodes again, from the cache.
@@ -74,6 +97,7 @@ def measure(label: str, task: Task, steps: int, simulations: int, fold: bool = T
           "ops": ctx.program.num_ops,
           "values": len(ctx.program.values), "actions": len(ctx.actions), "setup_s": setup_s,
           "steps": taken, "new_states": new_states, "steps_per_s": taken / fresh_s,
+          "gc_share": gc_s[0] / fresh_s,
           "cached_steps_per_s": taken / cached_s, "mcts_simulations": plan.simulations,
           "mcts_simulations_per_s": plan.simulations / mcts_s}
 
@@ -89,9 +113,11 @@ def main(argv=None) -> int:
   relax_gc()   # as the shardzero command does
   rows = [measure(label, task, args.steps, args.simulations, fold and not args.no_fold)
           for label, task, fold in TASKS]
-  header = ("task", "ops played", "actions", "set-up", "steps/s", "cached steps/s", "MCTS sims/s")
+  header = ("task", "ops played", "actions", "set-up", "steps/s", "gc", "cached steps/s",
+            "MCTS sims/s")
   print_table(header, [(r["task"], r["ops"], r["actions"], f"{r['setup_s']:.1f} s",
-                        f"{r['steps_per_s']:.1f}", f"{r['cached_steps_per_s']:.0f}",
+                        f"{r['steps_per_s']:.1f}", f"{100 * r['gc_share']:.1f}%",
+                        f"{r['cached_steps_per_s']:.0f}",
                         f"{r['mcts_simulations_per_s']:.1f}") for r in rows], 16)
   write_results(args.out, "environment", rows, goal_steps_per_s=200)
   return 0

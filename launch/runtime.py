@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import gc
 
-YOUNG_THRESHOLD = 10_000
+YOUNG_THRESHOLD = 200_000
 
 
 def relax_gc(threshold: int = YOUNG_THRESHOLD) -> None:
   """Collects young objects every `threshold` allocations instead of CPython's 700.
 
-  A partitioning step allocates tens of thousands of small containers (shardings, memo keys,
-  op plans) that the state cache keeps alive, so at the default a collection runs every few
-  hundred op visits and rescans them: about a quarter of a step on a 12-layer GPT
-  (benchmarks/bench_environment.py). Cycles are still collected, later."""
+  A step makes no reference cycles, but each state a task's cache keeps alive holds some
+  20 000 references (shardings, origins, op plans), and every young collection rescans the
+  states made since the last one. At CPython's default that was about a quarter of a step on
+  a 12-layer GPT; at 10 000, 14.5% of it; at 200 000 the collector runs every few thousand
+  steps, when most states it would have scanned have left the cache (1%,
+  benchmarks/bench_environment.py's `gc` column). Cycles are still collected, later."""
   young, middle, old = gc.get_threshold()
   gc.set_threshold(max(young, threshold), middle, old)

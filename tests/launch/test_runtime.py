@@ -11,8 +11,8 @@ def test_relax_gc_raises_the_young_threshold_and_keeps_a_higher_one():
     gc.set_threshold(700, before[1], before[2])
     relax_gc()
     assert gc.get_threshold() == (YOUNG_THRESHOLD, before[1], before[2])
-    gc.set_threshold(50_000, before[1], before[2])
+    gc.set_threshold(2 * YOUNG_THRESHOLD, before[1], before[2])
     relax_gc()
-    assert gc.get_threshold()[0] == 50_000
+    assert gc.get_threshold()[0] == 2 * YOUNG_THRESHOLD
   finally:
     gc.set_threshold(*before)
