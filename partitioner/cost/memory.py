@@ -32,10 +32,20 @@ class MemoryReport(NamedTuple):
   fits: bool
 
 
-class ProgramLiveness:
-  """Birth, death and category of every value; computed once per program."""
+class _Side(NamedTuple):
+  """Where the w - 1 extra buffers of a folded value are made and dropped, on one side of the
+  middle block (the last middle layer, or the first)."""
+  starts: np.ndarray
+  ends: np.ndarray
+  index: np.ndarray          # starts, then ends + 1: where they add and remove bytes
+  temp_index: np.ndarray     # the same for the temporaries among them
 
-  def __init__(self, program, work: ProgramWork, donate: bool = True):
+
+class ProgramLiveness:
+  """Birth, death and category of every value, and the fixed index arrays the profile adds
+  bytes at; computed once per program (and folding)."""
+
+  def __init__(self, program, work: ProgramWork, donate: bool = True, folding=None):
     n_ops = len(program.ops)
     roles = R.roles(program)
     self.n_ops = n_ops
@@ -83,65 +93,92 @@ class ProgramLiveness:
     self.outputs = np.array(program.outputs, np.int64)
     self.value_bytes = work.value_bytes
     self.value_nbytes = np.array([v.nbytes for v in program.values], np.int64)
+    # Buffers by kind: temporaries (neither inputs nor outputs) and the rest.
+    self.temp = np.nonzero(self.buffer_kind == 2)[0]
+    self.fixed = np.nonzero(self.buffer_kind != 2)[0]
+    self.temp_index = np.concatenate([self.start[self.temp], self.end[self.temp] + 1])
+    self.fixed_index = np.concatenate([self.start[self.fixed], self.end[self.fixed] + 1])
+    self.folding = folding
+    if folding is not None:
+      weight = folding.value_weight[self.buffers]
+      self.many = np.nonzero(weight > 1)[0]              # buffers standing for several
+      self.many_values, self.many_extra = self.buffers[self.many], weight[self.many] - 1
+      self.many_temp = np.nonzero(self.buffer_kind[self.many] == 2)[0]
+      self.many_input = np.nonzero(self.buffer_kind[self.many] == 0)[0]
+      self.sides = []
+      for side in (0, 1):   # the last middle layer, the first
+        made = folding.made_in[self.many_values, side]
+        dropped = folding.dropped_in[self.many_values, side]
+        s = np.where(made >= 0, made + side, self.start[self.many])   # made before or after it
+        e = np.where(dropped >= 0, dropped + side - 1, self.end[self.many])   # dropped likewise
+        e = np.maximum(e, s - 1)
+        t = self.many_temp
+        self.sides.append(_Side(s, e, np.concatenate([s, e + 1]),
+                                np.concatenate([s[t], e[t] + 1])))
 
 
 def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
-           capacity: int, folding=None) -> MemoryReport:
+           capacity: int) -> MemoryReport:
   """`divisors`: per value, into how many pieces it is cut; `copies`: per resharded copy, arrays
   (value, pieces, op before which it is made, last reader); `staged`: per result resharded out
   of place, arrays (op, value, pieces).
 
-  With a `folding`, a buffer standing for w of the deep program is one buffer over its own
-  lifetime and w - 1 more that the middle block making or dropping it makes or drops all
-  before it runs (as the deep program is when it runs its last middle layer) or all after it
-  (its first middle layer); the peak is the larger of the two, and the deep program's peak
-  while it runs a middle layer between those lies between them, as its live bytes are linear
-  in the layer."""
+  With a folding (`live.folding`), a buffer standing for w of the deep program is one buffer
+  over its own lifetime and w - 1 more that the middle block making or dropping it makes or
+  drops all before it runs (as the deep program is when it runs its last middle layer) or all
+  after it (its first middle layer); the peak is the larger of the two, and the deep program's
+  peak while it runs a middle layer between those lies between them, as its live bytes are
+  linear in the layer.
+
+  Live bytes are a running sum of what each buffer adds at its start and removes after its
+  end, one weighted bincount per group of buffers: the temporaries (resharded copies and
+  staged results among them) and the rest, shared by both sides of a folding."""
+  n = live.n_ops + 2
   per_value = np.floor(live.value_bytes / divisors)
   copy_value, copy_pieces, copy_start, copy_end = copies
   staged_op, staged_value, staged_pieces = staged
-  copy_category = live.category[copy_value]
-  starts = np.concatenate([live.start, copy_start, staged_op])
-  ends = np.concatenate([live.end, copy_end, staged_op])
-  nbytes = np.concatenate([per_value[live.buffers],
-                           live.value_nbytes[copy_value] // copy_pieces,
-                           live.value_nbytes[staged_value] // staged_pieces]).astype(np.float64)
-  cats = np.concatenate([live.buffer_category, np.where(copy_category < 2, copy_category, 4),
-                         np.full(len(staged_op), 4, np.int8)])
-  kinds = np.concatenate([live.buffer_kind, np.full(len(ends) - len(live.end), 2, np.int8)])
-  scenarios = [(starts, ends, nbytes, cats, kinds)]
-  if folding is not None:
-    weight = folding.value_weight[live.buffers]
-    many = np.nonzero(weight > 1)[0]
-    v = live.buffers[many]
-    more = per_value[v] * (weight[many] - 1)
-    scenarios = []
-    for side in (0, 1):   # the last middle layer, the first
-      made, dropped = folding.made_in[v, side], folding.dropped_in[v, side]
-      s = np.where(made >= 0, made + side, starts[many])        # made before or after the block
-      e = np.where(dropped >= 0, dropped + side - 1, ends[many])   # dropped likewise
-      e = np.maximum(e, s - 1)
-      scenarios.append((np.concatenate([starts, s]), np.concatenate([ends, e]),
-                        np.concatenate([nbytes, more]), np.concatenate([cats, cats[many]]),
-                        np.concatenate([kinds, kinds[many]])))
-  n = live.n_ops + 2
-
-  def profile(starts, ends, nbytes, mask):
-    """Live bytes at t = 0..n_ops (while op t runs; t = n_ops: after the last op)."""
-    delta = (np.bincount(starts[mask], nbytes[mask], minlength=n) -
-             np.bincount(ends[mask] + 1, nbytes[mask], minlength=n))
-    return np.cumsum(delta)[: live.n_ops + 1]
-
-  totals = [profile(s, e, b, slice(None)) for s, e, b, _, _ in scenarios]
-  which = int(np.argmax([t.max() for t in totals]))
-  starts, ends, nbytes, cats, kinds = scenarios[which]
-  point = int(np.argmax(totals[which]))
-  alive = (starts <= point) & (ends >= point)
-  breakdown = {c: int(nbytes[alive & (cats == i)].sum()) for i, c in enumerate(CATEGORIES)}
-  peak = int(totals[which][point])
+  held = per_value[live.buffers]
+  copy_bytes = (live.value_nbytes[copy_value] // copy_pieces).astype(np.float64)
+  staged_bytes = (live.value_nbytes[staged_value] // staged_pieces).astype(np.float64)
+  temp, fixed = held[live.temp], held[live.fixed]
+  temp_delta = np.bincount(
+      np.concatenate([live.temp_index, copy_start, copy_end + 1, staged_op, staged_op + 1]),
+      np.concatenate([temp, -temp, copy_bytes, -copy_bytes, staged_bytes, -staged_bytes]),
+      minlength=n)
+  delta = temp_delta + np.bincount(live.fixed_index, np.concatenate([fixed, -fixed]),
+                                   minlength=n)
+  argument_bytes = fixed[live.buffer_kind[live.fixed] == 0].sum()
   outputs = per_value[live.outputs]
-  if folding is not None:
-    outputs = outputs * folding.value_weight[live.outputs]
-  temp = max(int(profile(s, e, b, k == 2).max()) for s, e, b, _, k in scenarios)
-  return MemoryReport(peak, point, breakdown, int(nbytes[kinds == 0].sum()), int(outputs.sum()),
-                      temp, capacity, peak <= capacity)
+  if live.folding is None:
+    totals = [np.cumsum(delta)[: n - 1]]
+    temp_peak = np.cumsum(temp_delta)[: n - 1].max()
+  else:
+    more = per_value[live.many_values] * live.many_extra
+    more_temp = more[live.many_temp]
+    totals, temp_peak = [], 0.0
+    for side in live.sides:
+      totals.append(np.cumsum(delta + np.bincount(side.index, np.concatenate([more, -more]),
+                                                  minlength=n))[: n - 1])
+      temp_peak = max(temp_peak, np.cumsum(temp_delta + np.bincount(
+          side.temp_index, np.concatenate([more_temp, -more_temp]), minlength=n))[: n - 1].max())
+    argument_bytes += more[live.many_input].sum()
+    outputs = outputs * live.folding.value_weight[live.outputs]
+  which = int(np.argmax([t.max() for t in totals]))
+  point = int(np.argmax(totals[which]))
+  # What is live at the peak, by category.
+  alive = (live.start <= point) & (live.end >= point)
+  by_category = np.bincount(live.buffer_category[alive], held[alive], minlength=len(CATEGORIES))
+  copy_category = live.category[copy_value]
+  alive = (copy_start <= point) & (copy_end >= point)
+  by_category += np.bincount(np.where(copy_category < 2, copy_category, 4)[alive],
+                             copy_bytes[alive], minlength=len(CATEGORIES))
+  by_category[4] += staged_bytes[staged_op == point].sum()
+  if live.folding is not None:
+    side = live.sides[which]
+    alive = (side.starts <= point) & (side.ends >= point)
+    by_category += np.bincount(live.buffer_category[live.many][alive], more[alive],
+                               minlength=len(CATEGORIES))
+  peak = int(totals[which][point])
+  return MemoryReport(peak, point, {c: int(b) for c, b in zip(CATEGORIES, by_category)},
+                      int(argument_bytes), int(outputs.sum()), int(temp_peak), capacity,
+                      peak <= capacity)

@@ -134,7 +134,7 @@ class Simulator:
     self.hardware = hw = load_hardware(hardware)
     self.placement = Placement(mesh, self.hardware, order)
     self.work = work = ProgramWork.of(program)
-    self.liveness = ProgramLiveness(program, work, donate)
+    self.liveness = ProgramLiveness(program, work, donate, folding)
     self.divisors = Divisors(program, mesh.sizes)
     self.rate = np.array([hw.flops(w.dtype) * hw.efficiency[_EFF[w.kind]] for w in work.work])
     # Per value: the first place in the run order where an op reads it.
@@ -225,7 +225,7 @@ class Simulator:
     exposed = self._schedule(a, durations, kernels)
     compute_s = float(kernels.sum())
     mem = memory(self.liveness, divisors, (a.copy_value, a.copy_pieces, a.copy_issue, a.copy_last),
-                 (a.staged_op, a.staged_value, a.staged_pieces), hw.hbm_bytes, self.folding)
+                 (a.staged_op, a.staged_value, a.staged_pieces), hw.hbm_bytes)
     return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s, float(sum(durations)),
                       float(sum(exposed)), float(flops.sum()), float(nbytes.sum()), mem,
                       self.placement.describe(), (pp.collectives, timed, exposed))
