@@ -13,8 +13,8 @@ def relax_gc(threshold: int = YOUNG_THRESHOLD) -> None:
   A step makes no reference cycles, but each state a task's cache keeps alive holds some
   20 000 references (shardings, origins, op plans), and every young collection rescans the
   states made since the last one. At CPython's default that was about a quarter of a step on
-  a 12-layer GPT; at 10 000, 14.5% of it; at 200 000 the collector runs every few thousand
-  steps, when most states it would have scanned have left the cache (1%,
-  benchmarks/bench_environment.py's `gc` column). Cycles are still collected, later."""
+  a 12-layer GPT; at 10 000, 14.5% of it; at 200 000 it runs every few hundred steps
+  and took 1-2% of 3000 (more in benchmarks/bench_environment.py's 1000-step window, whose
+  first collections also scan what the set-up left). Cycles are still collected, later."""
   young, middle, old = gc.get_threshold()
   gc.set_threshold(max(young, threshold), middle, old)
