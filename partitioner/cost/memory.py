@@ -98,6 +98,7 @@ class ProgramLiveness:
     self.fixed = np.nonzero(self.buffer_kind != 2)[0]
     self.temp_index = np.concatenate([self.start[self.temp], self.end[self.temp] + 1])
     self.fixed_index = np.concatenate([self.start[self.fixed], self.end[self.fixed] + 1])
+    self.fixed_input = np.nonzero(self.buffer_kind[self.fixed] == 0)[0]
     self.folding = folding
     if folding is not None:
       weight = folding.value_weight[self.buffers]
@@ -147,7 +148,7 @@ def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
       minlength=n)
   delta = temp_delta + np.bincount(live.fixed_index, np.concatenate([fixed, -fixed]),
                                    minlength=n)
-  argument_bytes = fixed[live.buffer_kind[live.fixed] == 0].sum()
+  argument_bytes = fixed[live.fixed_input].sum()
   outputs = per_value[live.outputs]
   if live.folding is None:
     totals = [np.cumsum(delta)[: n - 1]]

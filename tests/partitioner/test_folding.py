@@ -50,6 +50,13 @@ def test_folded_costs_equal_the_deep_program_costs():
     assert folded.comm_s == pytest.approx(exact.comm_s, rel=1e-2, abs=1e-12), schedule
     assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=1e-2), schedule
     assert folded.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-2), schedule
+    # The rest of the memory report too; what is live at the peak adds up to it.
+    mem, whole = folded.memory, exact.memory
+    assert sum(mem.breakdown.values()) == mem.peak_bytes, schedule
+    for field in ("argument_bytes", "output_bytes", "temp_bytes"):
+      assert getattr(mem, field) == pytest.approx(getattr(whole, field), rel=1e-2), (field, schedule)
+    for category, nbytes in whole.breakdown.items():
+      assert mem.breakdown[category] == pytest.approx(nbytes, rel=1e-2, abs=1), (category, schedule)
 
 
 def test_an_encoder_decoder_folds_on_the_middle_layers_backward():
