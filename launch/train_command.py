@@ -34,7 +34,9 @@ Algorithms:
              strategies on the train split for the first N updates (actors wait for
              them), at --set pretrain_learning_rate=R if given (cloning is slow at
              the learning rate that suits search targets); --set demonstrations=F has
-             actors replay the best expert in that share of their episodes.
+             actors replay the best expert in that share of their episodes;
+             --set demonstration_search=N demonstrates instead what a plain MCTS of N
+             simulations finds on a train task where it beats every expert.
              --set decay_steps=N: after cloning the rate falls along a cosine to 0
              over N updates (e.g. --steps minus pretrain_steps).
   both       --set ema_decay=D (e.g. 0.99) keeps a moving average of the parameters,

@@ -35,7 +35,9 @@ class AlphaZeroConfig:
   temperature: float = 1.0         # actors sample moves from visits^(1/temperature)
   policy_target: str = "visits"    # or "completed_q" (Gumbel MuZero's): see AlphaZeroActor
   prior_mix: float = 0.25          # actors search with this share of the heuristic prior
-  demonstrations: float = 0.0      # share of actor episodes that replay the best expert
+  demonstrations: float = 0.0      # share of actor episodes that replay the best known strategy
+  demonstration_search: int = 0    # plain MCTS simulations per train task that may beat its
+                                   # best expert as the demonstration (0: experts only)
   pretrain_steps: int = 0          # first updates clone the experts of the train split
   pretrain_learning_rate: float = 0.0  # during those updates (0: learning_rate)
   decay_steps: int = 0             # after them the rate falls along a cosine to 0 (0: constant)
@@ -52,6 +54,8 @@ class AlphaZeroConfig:
       raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
     if self.pretrain_learning_rate < 0:
       raise ValueError(f"pretrain_learning_rate must be >= 0, got {self.pretrain_learning_rate}")
+    if self.demonstration_search < 0:
+      raise ValueError(f"demonstration_search must be >= 0, got {self.demonstration_search}")
     if self.decay_steps < 0:
       raise ValueError(f"decay_steps must be >= 0, got {self.decay_steps}")
 

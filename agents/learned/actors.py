@@ -17,7 +17,7 @@ import numpy as np
 
 from agents.adders import Adder
 from agents.core import Actor
-from agents.learned.demonstrations import expert_moves
+from agents.learned.demonstrations import demonstration_moves
 from agents.learned.networks import Networks
 from agents.learned.variable_client import VariableClient
 from agents.mcts import MCTSActor, heuristic_prior, improved_policy
@@ -119,22 +119,27 @@ class AlphaZeroActor(_AdderActor):
   completed Q-values (`"completed_q"`, which a search of few simulations cannot flatten). When
   the best state the search saw is the current one, the target and the move are finish.
 
-  With `demonstrations` > 0, that share of episodes replays the corpus' best expert strategy
-  for the task instead (then finish), each move's target one-hot on the expert's action: the
-  learning-from-demonstrations of Acme's LfD agents, through the same replay. Only experts
+  With `demonstrations` > 0, that share of episodes replays the best known strategy for the
+  task instead (then finish), each move's target one-hot on its action: the
+  learning-from-demonstrations of Acme's LfD agents, through the same replay. The best known
+  strategy is the best expert's, or with `demonstration_search` > 0 a plain MCTS plan of that
+  many simulations where it scores higher (searched once per task and kept). Only strategies
   that beat the starting state are demonstrated."""
 
   def __init__(self, environment, networks: Networks, variable_client: VariableClient,
                adder: Optional[Adder] = None, simulations: int = 16, temperature: float = 1.0,
                prior_mix: float = 0.0, evaluation: bool = False, seed: int = 0,
-               demonstrations: float = 0.0, policy_target: str = "visits"):
+               demonstrations: float = 0.0, policy_target: str = "visits",
+               demonstration_search: int = 0):
     if policy_target not in POLICY_TARGETS:
       raise ValueError(f"unknown policy target {policy_target!r}; "
                        f"choose from {', '.join(POLICY_TARGETS)}")
     self._env = environment
     self._target = policy_target
     self._demonstrations = demonstrations
-    self._demo: list[int] = []   # the rest of the expert's moves in a demonstration episode
+    self._demonstration_search = demonstration_search
+    self._demo: list[int] = []   # the rest of the moves of a demonstration episode
+    self._known: dict = {}       # task -> its demonstration's moves
     self._client = variable_client
     self._adder = adder
     self._temperature = temperature
@@ -178,5 +183,8 @@ class AlphaZeroActor(_AdderActor):
     self.simulations = 0
     self._demo = []
     if self._demonstrations and self._rng.random() < self._demonstrations:
-      self._demo = expert_moves(self._env)
+      task = self._env.task
+      if task not in self._known:
+        self._known[task] = demonstration_moves(self._env, self._demonstration_search)
+      self._demo = list(self._known[task])
     super().observe_first(timestep)

@@ -209,7 +209,8 @@ class AlphaZeroBuilder(Builder):
                           prior_mix=0.0 if evaluation else c.prior_mix,
                           evaluation=evaluation, seed=seed,
                           demonstrations=0.0 if evaluation else c.demonstrations,
-                          policy_target=c.policy_target)
+                          policy_target=c.policy_target,
+                          demonstration_search=c.demonstration_search)
 
   def loss(self, networks):
     return alphazero_loss(networks, self.config)

@@ -1,9 +1,13 @@
-"""Expert demonstrations as search targets (Acme's learning from demonstrations).
+"""Demonstrations as search targets (Acme's learning from demonstrations).
 
 The corpus' expert strategies are what a policy should at least rediscover. A demonstration is
-the best expert's actions for a task, then finish, each step's target one-hot on the expert's
-action and its value target the return to go: the AlphaZero-style learner's replay items, so
-the same loss clones the expert (pretraining) or mixes demonstrations into search data.
+the best known strategy for a task, then finish, each step's target one-hot on its action and
+its value target the return to go: the AlphaZero-style learner's replay items, so the same
+loss clones it (pretraining) or mixes demonstrations into search data. The best known strategy
+is the best expert's, or, with `simulations`, what a plain MCTS of that many simulations finds
+where it scores higher: on about half the training tasks search beats every expert (an MLP
+wants its batch axis for Megatron, a small ResNet one axis of data parallelism), and cloning
+only the experts teaches those weaker strategies.
 """
 
 from __future__ import annotations
@@ -16,29 +20,77 @@ import numpy as np
 from partitioner.errors import ShardzeroError
 
 
-def expert_moves(env) -> list[int]:
-  """The best expert's actions from `env`'s current state, then finish; empty where the task
-  has no expert strategies or the best one does not beat the current state (which counts its
-  memory penalty: fitting a budget the current state misses is worth a slower step)."""
+def _best_expert(env) -> tuple[list[int], float]:
+  """The best expert's actions (without finish) and score, or ([], -inf)."""
   from agents.expert import best_expert, evaluate_experts
   try:
     best = best_expert(evaluate_experts(env))
   except ShardzeroError:
-    return []
-  if best is None or not best.actions or best.score <= env.score():
-    return []
-  return [*best.actions, env.finish_action]
+    return [], -np.inf
+  if best is None or not best.actions:
+    return [], -np.inf
+  return list(best.actions), best.score
 
 
-def expert_demonstrations(tasks: Sequence, sizes, env_config, log=print) -> list[dict]:
-  """One demonstration per task (where an expert helps), as replay items of `sizes`."""
+def expert_moves(env) -> list[int]:
+  """The best expert's actions from `env`'s current state, then finish; empty where the task
+  has no expert strategies or the best one does not beat the current state (which counts its
+  memory penalty: fitting a budget the current state misses is worth a slower step)."""
+  return demonstration_moves(env)
+
+
+PRUNE_TOLERANCE = 2e-3   # a searched move worth less than this share of the step is dropped
+
+
+def _score_of(env, moves) -> float | None:
+  """env.score() after `moves` from `env`'s state in a clone; None where one is not legal."""
+  trial = env.clone()
+  for a in moves:
+    if trial.done or a not in trial.legal_actions():
+      return None
+    trial.step(a)
+  return trial.score()
+
+
+def _pruned(env, moves: list[int], score: float) -> tuple[list[int], float]:
+  """`moves` without those that gain less than PRUNE_TOLERANCE: search keeps any move that
+  helps at all, and a Tile of one value that saves a few bytes, named after one model's
+  values, teaches a policy nothing that carries over."""
+  for i in reversed(range(len(moves))):
+    rest = moves[:i] + moves[i + 1:]
+    without = _score_of(env, rest)
+    if without is not None and without >= score - PRUNE_TOLERANCE:
+      moves, score = rest, max(score, without)
+  return moves, score
+
+
+def demonstration_moves(env, simulations: int = 0) -> list[int]:
+  """The best known strategy's actions from `env`'s current state, then finish: the best
+  expert's, or a plain MCTS plan of `simulations` (0: none, pruned of moves that barely help)
+  where it scores higher. Empty where neither beats the current state."""
+  moves, score = _best_expert(env)
+  if simulations:
+    from agents.mcts import MCTSActor
+    plan = MCTSActor(env, budget=simulations).plan(env.clone())
+    if plan.score > score + 1e-12:
+      moves, score = _pruned(env, [a for a in plan.actions if a != env.finish_action],
+                             plan.score)
+  if not moves or score <= env.score():
+    return []
+  return [*moves, env.finish_action]
+
+
+def expert_demonstrations(tasks: Sequence, sizes, env_config, log=print,
+                          simulations: int = 0) -> list[dict]:
+  """One demonstration per task (where the best known strategy helps), as replay items of
+  `sizes`; `simulations` as in `demonstration_moves`."""
   from environments import PartitioningEnv
   items: list[dict] = []
   for task in tasks:
     env = PartitioningEnv(task, config=env_config, pad_to=sizes)
     ts = env.reset()
     observations, actions, rewards = [], [], []
-    for action in expert_moves(env):
+    for action in demonstration_moves(env, simulations):
       if ts.last():
         break
       observations.append(ts.observation)

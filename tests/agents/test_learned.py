@@ -147,16 +147,21 @@ def test_return_adder_records_returns_to_go_and_policy_targets(env, target):
     server.stop()
 
 
-def test_demonstration_episodes_replay_the_best_expert_with_one_hot_targets(env):
+@pytest.mark.parametrize("search", [0, 32])
+def test_demonstration_episodes_replay_the_best_known_strategy_with_one_hot_targets(env, search):
+  from agents.learned.demonstrations import demonstration_moves
   # A loose rate limiter: the whole demonstration is written before anything is sampled.
   builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, min_replay_size=1, batch_size=8,
-                                             samples_per_insert=1.0, demonstrations=1.0), SIZES)
+                                             samples_per_insert=1.0, demonstrations=1.0,
+                                             demonstration_search=search), SIZES)
   server, client = _server(builder)
   try:
     _, _, actor = _actor(builder, env, client)
     ts = env.reset()                # the environment the actor was built on
     best = best_expert(evaluate_experts(env))
     assert best.score > 0
+    known = demonstration_moves(env, search)
+    assert (known == [*best.actions, env.finish_action]) == (search == 0)
     actor.observe_first(ts)
     taken = []
     while not ts.last():
@@ -164,9 +169,12 @@ def test_demonstration_episodes_replay_the_best_expert_with_one_hot_targets(env)
       ts = env.step(a)
       actor.observe(a, ts)
       taken.append(a)
-    assert taken == [*best.actions, env.finish_action]
-    assert actor.simulations == 0     # no search: every move was the expert's
-    assert np.isclose(env.cost.step_time_s, best.cost.step_time_s)
+    assert taken == known
+    assert actor.simulations == 0     # no search per move: every move was demonstrated
+    if search:
+      assert env.score() > best.score
+    else:
+      assert np.isclose(env.cost.step_time_s, best.cost.step_time_s)
     template = builder.item_template()
     targets = set()
     for _ in range(12):
@@ -186,6 +194,8 @@ def test_unknown_settings_are_clear_errors():
     make_builder("alphazero", {"learning_rte": 1e-3})
   with pytest.raises(ShardzeroError, match="pretrain_learning_rate"):
     make_builder("alphazero", {"pretrain_learning_rate": -1e-2})
+  with pytest.raises(ShardzeroError, match="demonstration_search"):
+    make_builder("alphazero", {"demonstration_search": -1})
 
 
 def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
@@ -205,6 +215,33 @@ def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
     ts = env.step(a)
   assert ts.last() and env.penalty() == 0
   assert env.cost.step_time_s > env.context.root.cost.step_time_s   # slower, but it fits
+
+
+def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
+  """Where a plain search beats every expert (an MLP on batch=4,model=2 wants Megatron over
+  its batch axis too), the demonstration is the search's plan, without the moves that gain
+  less than PRUNE_TOLERANCE of the step."""
+  from agents.learned.demonstrations import PRUNE_TOLERANCE, demonstration_moves, expert_moves
+  env = PartitioningEnv(TASK)
+  env.reset()
+
+  def score(moves):
+    trial = env.clone()
+    for a in moves:
+      if trial.done or a not in trial.legal_actions():
+        return None
+      trial.step(a)
+    return trial.score()
+
+  expert = expert_moves(env)
+  assert demonstration_moves(env) == expert
+  moves = demonstration_moves(env, 64)
+  assert moves[-1] == env.finish_action and env.history == ()   # env itself is not stepped
+  best = score(moves[:-1])
+  assert best > score(expert[:-1]) + 0.05
+  for i in range(len(moves) - 1):
+    without = score(moves[:i] + moves[i + 1:-1])
+    assert without is None or without < best - PRUNE_TOLERANCE
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "alphazero"])
