@@ -221,18 +221,11 @@ def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
   """Where a plain search beats every expert (an MLP on batch=4,model=2 wants Megatron over
   its batch axis too), the demonstration is the search's plan, without the moves that gain
   less than PRUNE_TOLERANCE of the step."""
-  from agents.learned.demonstrations import PRUNE_TOLERANCE, demonstration_moves, expert_moves
+  from agents.learned.demonstrations import (PRUNE_TOLERANCE, _score_of, demonstration_moves,
+                                             expert_moves)
   env = PartitioningEnv(TASK)
   env.reset()
-
-  def score(moves):
-    trial = env.clone()
-    for a in moves:
-      if trial.done or a not in trial.legal_actions():
-        return None
-      trial.step(a)
-    return trial.score()
-
+  score = lambda moves: _score_of(env, moves)    # None where a move is not legal
   expert = expert_moves(env)
   assert demonstration_moves(env) == expert
   moves = demonstration_moves(env, 64)
