@@ -181,10 +181,10 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
     """Behaviour cloning of the experts' demonstrations up to update `pretrain_steps` (also
     after a resume), then what the actors write."""
     if learner.version < pretrain:
-      from agents.learned.demonstrations import demonstration_batches, expert_demonstrations
-      items = expert_demonstrations(config.train_tasks().tasks(), builder.sizes,
-                                    config.env_config(), log=lambda m: print(m, flush=True),
-                                    simulations=builder.config.demonstration_search)
+      from agents.learned.demonstrations import demonstration_batches, demonstration_items
+      items = demonstration_items(config.train_tasks().tasks(), builder.sizes,
+                                  config.env_config(), log=lambda m: print(m, flush=True),
+                                  simulations=builder.config.demonstration_search)
       demos = demonstration_batches(items, builder.config.batch_size, config.seed)
       while learner.version < pretrain:
         batch = next(demos)

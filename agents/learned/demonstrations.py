@@ -32,13 +32,6 @@ def _best_expert(env) -> tuple[list[int], float]:
   return list(best.actions), best.score
 
 
-def expert_moves(env) -> list[int]:
-  """The best expert's actions from `env`'s current state, then finish; empty where the task
-  has no expert strategies or the best one does not beat the current state (which counts its
-  memory penalty: fitting a budget the current state misses is worth a slower step)."""
-  return demonstration_moves(env)
-
-
 PRUNE_TOLERANCE = 2e-3   # a searched move worth less than this share of the step is dropped
 
 
@@ -67,7 +60,8 @@ def _pruned(env, moves: list[int], score: float) -> tuple[list[int], float]:
 def demonstration_moves(env, simulations: int = 0) -> list[int]:
   """The best known strategy's actions from `env`'s current state, then finish: the best
   expert's, or a plain MCTS plan of `simulations` (0: none, pruned of moves that barely help)
-  where it scores higher. Empty where neither beats the current state."""
+  where it scores higher. Empty where neither beats the current state (whose score counts its
+  memory penalty: fitting a budget the current state misses is worth a slower step)."""
   moves, score = _best_expert(env)
   if simulations:
     from agents.mcts import MCTSActor
@@ -80,8 +74,8 @@ def demonstration_moves(env, simulations: int = 0) -> list[int]:
   return [*moves, env.finish_action]
 
 
-def expert_demonstrations(tasks: Sequence, sizes, env_config, log=print,
-                          simulations: int = 0) -> list[dict]:
+def demonstration_items(tasks: Sequence, sizes, env_config, log=print,
+                        simulations: int = 0) -> list[dict]:
   """One demonstration per task (where the best known strategy helps), as replay items of
   `sizes`; `simulations` as in `demonstration_moves`."""
   from environments import PartitioningEnv

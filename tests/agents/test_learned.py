@@ -199,17 +199,17 @@ def test_unknown_settings_are_clear_errors():
 
 
 def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
-  from agents.learned.demonstrations import expert_moves
+  from agents.learned.demonstrations import demonstration_moves
   from environments import TaskDistribution
   task = Task("resnet:mini", "batch=4,model=2")
   roomy = PartitioningEnv(task)
   roomy.reset()
-  assert expert_moves(roomy) == []     # no expert beats leaving it unpartitioned
+  assert demonstration_moves(roomy) == []     # no expert beats leaving it unpartitioned
   tight, = TaskDistribution((task.model,), meshes=(task.mesh,), budget_fractions=(0.5,)).tasks()
   env = PartitioningEnv(tight)
   ts = env.reset()
   assert env.penalty() > 0
-  moves = expert_moves(env)
+  moves = demonstration_moves(env)
   assert moves[-1] == env.finish_action
   for a in moves:
     ts = env.step(a)
@@ -221,13 +221,12 @@ def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
   """Where a plain search beats every expert (an MLP on batch=4,model=2 wants Megatron over
   its batch axis too), the demonstration is the search's plan, without the moves that gain
   less than PRUNE_TOLERANCE of the step."""
-  from agents.learned.demonstrations import (PRUNE_TOLERANCE, _score_of, demonstration_moves,
-                                             expert_moves)
+  from agents.learned.demonstrations import PRUNE_TOLERANCE, _score_of, demonstration_moves
   env = PartitioningEnv(TASK)
   env.reset()
   score = lambda moves: _score_of(env, moves)    # None where a move is not legal
-  expert = expert_moves(env)
-  assert demonstration_moves(env) == expert
+  expert = demonstration_moves(env)
+  assert expert == [*best_expert(evaluate_experts(env)).actions, env.finish_action]
   moves = demonstration_moves(env, 64)
   assert moves[-1] == env.finish_action and env.history == ()   # env itself is not stepped
   best = score(moves[:-1])

@@ -229,7 +229,7 @@ def test_learner_pretrains_by_cloning_the_expert(tmp_path):
   """Pretraining updates clone the best expert's demonstrations (no actor needed): afterwards
   the greedy policy plays the expert's schedule."""
   import signal
-  from agents.learned.demonstrations import expert_moves
+  from agents.learned.demonstrations import demonstration_moves
   from agents.learned.inference import load_policy, play_policy
   from environments import PartitioningEnv, Task
   from launch.training import run_learner
@@ -250,7 +250,7 @@ def test_learner_pretrains_by_cloning_the_expert(tmp_path):
   task = Task("mlp:mini", "batch=4,model=2")
   expert = PartitioningEnv(task, config=config.env_config())
   expert.reset()
-  moves = expert_moves(expert)
+  moves = demonstration_moves(expert)
   env = PartitioningEnv(task, config=config.env_config())
   env.reset()
   play_policy(env, load_policy(str(tmp_path)), "greedy")
