@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from dm_env import specs
 
-from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
+from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint, tactic_footprint
 from partitioner import roles as R
 from partitioner.cost.compute import REDUCTIONS, ProgramWork
 from partitioner.cost.hardware import Hardware
@@ -32,9 +32,11 @@ KIND_IDS = {p: i + 3 for i, p in enumerate(PRIMITIVES)}
 NUM_KINDS = len(PRIMITIVES) + 3
 NODE_FEATURES = MAX_RANK + 7 + len(ROLES)
 SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1
-ACTION_FEATURES = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1 + len(ROLES) + 2
-PROGRAM_FEATURES = 12
-GLOBAL_FEATURES = MAX_AXES + 1 + 7 + PROGRAM_FEATURES + 8
+ACTION_FEATURES = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1 + len(ROLES) + 3
+PROGRAM_FEATURES = 13
+SHARED_FEATURES = len(ROLES) * MAX_AXES
+GLOBAL_FEATURES = MAX_AXES + 1 + 7 + PROGRAM_FEATURES + SHARED_FEATURES + 8
+TOUCHED = 8       # values of an action's footprint the network reads (spread over all of them)
 
 
 class Sizes(NamedTuple):
@@ -92,16 +94,20 @@ def observation_spec(sizes: Sizes) -> dict:
       "edge_direction": specs.BoundedArray((e,), np.int32, 0, 1, "edge_direction"),
       "edge_mask": specs.Array((e,), bool, "edge_mask"),
       "actions": specs.Array((a, ACTION_FEATURES), f32, "actions"),
-      "action_node": specs.BoundedArray((a,), np.int32, 0, n - 1, "action_node"),
+      "action_nodes": specs.BoundedArray((a, TOUCHED), np.int32, 0, n - 1, "action_nodes"),
+      "action_nodes_mask": specs.Array((a, TOUCHED), bool, "action_nodes_mask"),
       "action_mask": specs.Array((a,), bool, "action_mask"),
       "globals": specs.Array((GLOBAL_FEATURES,), f32, "globals"),
   }
 
 
 def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
-  """What kind of model this is: shares of its ops and FLOPs by kind and its sizes. Averaged
-  node embeddings blur this (a few convolutions or attention matmuls among thousands of
-  elementwise ops), and it is what decides between families of strategies."""
+  """What kind of model this is: shares of its ops and FLOPs by kind, its sizes, and its FLOPs
+  per parameter byte. Averaged node embeddings blur this (a few convolutions or attention
+  matmuls among thousands of elementwise ops), and it is what decides between families of
+  strategies: data parallelism pays for its gradient all-reduce with compute, so where a
+  step does little work per parameter byte (small batches, short sequences) tensor
+  parallelism wins."""
   ops, values = program.ops, program.values
   n = max(len(ops), 1)
   kinds = [w.kind for w in work.work]
@@ -117,7 +123,7 @@ def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
       flops[matmul].sum() / total, flops[conv].sum() / total,
       sum(op.name in REDUCTIONS for op in ops) / n, batched / max(matmul.sum(), 1),
       _log(len(ops), 16), _log(nbytes(roles.params), 40), _log(nbytes(roles.data), 40),
-      _log(total, 60)], np.float32)
+      _log(total, 60), _log(total / max(nbytes(roles.params), 1), 20)], np.float32)
 
 
 class StaticGraph:
@@ -172,9 +178,15 @@ class StaticGraph:
       senders[m:2 * m], receivers[m:2 * m], direction[m:2 * m] = dst, src, 1
     self.senders, self.receivers, self.edge_direction = senders, receivers, direction
     self.edge_mask = np.arange(e) < 2 * len(pairs)
-    # Actions.
+    # Actions, each with the values it tiles: a decision point's members, a manual tactic's
+    # footprint on the unpartitioned program. The network reads up to TOUCHED of them, spread
+    # evenly, and the features give their bytes by role.
+    self.footprints = {i: tactic_footprint(action.tactic, program, mesh)
+                       for i, action in enumerate(actions) if action.kind not in ("tile", "finish")}
+    all_bytes = max(sum(values[v].nbytes for v in role), 1)
     act = np.zeros((a, ACTION_FEATURES), np.float32)
-    node = np.zeros(a, np.int32)
+    touched = np.zeros((a, TOUCHED), np.int32)
+    touched_mask = np.zeros((a, TOUCHED), bool)
     base_axis = len(TACTIC_KINDS) + 1
     base_dim = base_axis + MAX_AXES + 1
     base_role = base_dim + MAX_RANK + 1
@@ -190,12 +202,33 @@ class StaticGraph:
         point = points[action.point]
         row[base_dim + min(action.dim, MAX_RANK - 1)] = 1
         row[base_dim + MAX_RANK] = _log(point.shape[action.dim], 20)
-        row[base_role + ROLES.index(point.role)] = 1
-        nbytes = sum(values[m].nbytes for m in point.members)
-        row[base_role + len(ROLES)] = _log(nbytes, 40)
-        row[base_role + len(ROLES) + 1] = _log(len(point.members), 10)
-        node[i] = point.members[0]
-    self.actions, self.action_node = act, node
+        members = sorted(point.members)
+      else:   # the inputs it tiles (their updated outputs follow them)
+        members = sorted(v for v in self.footprints.get(i, ()) if v in role)
+      if not members:
+        continue
+      by_role = np.zeros(len(ROLES))
+      for m in members:
+        by_role[ROLES.index(role[m])] += values[m].nbytes
+      nbytes = sum(values[m].nbytes for m in members)
+      row[base_role:base_role + len(ROLES)] = by_role / max(nbytes, 1)
+      row[base_role + len(ROLES)] = _log(nbytes, 40)
+      row[base_role + len(ROLES) + 1] = _log(len(members), 10)
+      row[base_role + len(ROLES) + 2] = nbytes / all_bytes
+      spread = sorted({members[j] for j in np.linspace(0, len(members) - 1, TOUCHED).round()
+                       .astype(int)})
+      touched[i, :len(spread)], touched_mask[i, :len(spread)] = spread, True
+    self.actions, self.action_nodes, self.action_nodes_mask = act, touched, touched_mask
+    # Per role, the inputs' bytes: the share sharded over each axis is a global feature.
+    ids = [np.array(sorted(x), np.int64) for x in (roles.params, roles.opt_state, roles.data)]
+    self._role_values = np.concatenate(ids)
+    weights = np.zeros((len(ROLES), len(self._role_values)), np.float32)
+    start = 0
+    for r, members in enumerate(ids):
+      sizes = np.array([values[v].nbytes for v in members], np.float64)
+      weights[r, start:start + len(members)] = sizes / max(sizes.sum(), 1.0)
+      start += len(members)
+    self._role_weights = weights
     # Globals that do not change: the mesh, the hardware and what kind of model it is.
     g = np.zeros(MAX_AXES + 1 + 7, np.float32)
     for i, size in enumerate(mesh.shape):
@@ -230,6 +263,13 @@ class StaticGraph:
         rows[key] = row
       into[vid] = row
 
+  def shared(self, sharding: np.ndarray) -> np.ndarray:
+    """Per role (parameters, optimizer state, data) and mesh axis, the share of the role's
+    bytes sharded over the axis: what the strategy so far has done, which a mean over
+    thousands of node embeddings blurs."""
+    rows = sharding[self._role_values, :MAX_RANK * MAX_AXES].reshape(-1, MAX_RANK, MAX_AXES)
+    return (self._role_weights @ rows.max(1)).ravel()
+
   def observation(self, sharding: np.ndarray, mask: np.ndarray, dynamic: Sequence[float]) -> dict:
     """`sharding`: the state's rows from `empty_sharding`/`sharding_rows`."""
     padded = np.zeros((self.sizes.nodes, SHARDING_FEATURES), np.float32)
@@ -238,6 +278,8 @@ class StaticGraph:
         "node_kind": self.node_kind, "nodes": self.nodes, "node_sharding": padded,
         "node_mask": self.node_mask, "senders": self.senders, "receivers": self.receivers,
         "edge_direction": self.edge_direction, "edge_mask": self.edge_mask,
-        "actions": self.actions, "action_node": self.action_node, "action_mask": mask,
-        "globals": np.concatenate([self.static_globals, np.asarray(dynamic, np.float32)]),
+        "actions": self.actions, "action_nodes": self.action_nodes,
+        "action_nodes_mask": self.action_nodes_mask, "action_mask": mask,
+        "globals": np.concatenate([self.static_globals, self.shared(sharding),
+                                   np.asarray(dynamic, np.float32)]),
     }

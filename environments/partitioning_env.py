@@ -30,7 +30,7 @@ import numpy as np
 from dm_env import specs
 
 from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
-                                  decision_points, tactic_footprint, tile_problem)
+                                  decision_points, tile_problem)
 from environments.observations import Sizes, StaticGraph, observation_spec
 from environments.tasks import Task, TaskDistribution, folded_program, load_program
 from partitioner.errors import ShardzeroError
@@ -108,8 +108,8 @@ class TaskContext:
     self._tiles = [i for i, a in enumerate(self.actions) if a.kind == "tile"]
     self._others = [i for i, a in enumerate(self.actions) if a.kind != "tile"]
     # Per manual tactic but ZeRO: the values whose sharding its legality depends on.
-    self._footprint = {i: tactic_footprint(self.actions[i].tactic, program, mesh)
-                       for i in self._others if self.actions[i].kind not in ("ZeRO", "finish")}
+    self._footprint = {i: fp for i, fp in self.graph.footprints.items()
+                       if self.actions[i].kind != "ZeRO"}
     self._zobrist: dict[tuple, int] = {}   # (value, layout_id) -> its random 64-bit term
     self._random = random.Random(0)
     self._cache: collections.OrderedDict = collections.OrderedDict()

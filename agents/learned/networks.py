@@ -3,7 +3,8 @@ head (Haiku).
 
 Nodes are the program's values; messages flow along operand->result edges and back, with
 separate weights per direction, for `rounds` rounds. Each candidate action is scored from its
-own features, the embedding of the value it tiles and a pooled summary of the graph, so the
+own features, the mean embedding of the values it tiles (a decision point's members, a manual
+tactic's footprint) and a pooled summary of the graph, so the
 same parameters serve any action space: a task with other decision points has other rows,
 not another head. Illegal actions get `MASKED` logits. Everything is written for one
 observation and vmapped over batches; shapes come from the padded size buckets, so one
@@ -73,8 +74,11 @@ def _forward(obs: dict, config: NetworkConfig) -> PolicyOutput:
   context = _mlp(h_dim, h_dim, "context")(jnp.concatenate([pooled, obs["globals"]]))
   context = jax.nn.relu(context)
   a = obs["actions"].shape[0]
-  rows = jnp.concatenate([obs["actions"], h[obs["action_node"]],
-                          jnp.broadcast_to(context, (a, h_dim))], axis=-1)
+  touched_mask = obs["action_nodes_mask"].astype(jnp.float32)[..., None]
+  touched = ((h[obs["action_nodes"]] * touched_mask).sum(1)
+             / jnp.maximum(touched_mask.sum(1), 1.0))
+  rows = jnp.concatenate([obs["actions"], touched, jnp.broadcast_to(context, (a, h_dim))],
+                         axis=-1)
   logits = _mlp(h_dim, 1, "pointer")(rows)[:, 0]
   logits = jnp.where(obs["action_mask"], logits, MASKED)
   value = _mlp(h_dim, 1, "value")(context)[0]

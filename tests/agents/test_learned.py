@@ -68,8 +68,8 @@ def test_network_masks_illegal_actions_and_scores_rows_independently(env):
   assert np.all(np.isfinite(out.logits)) and np.all(np.asarray(out.logits)[legal] > MASKED / 2)
   # A pointer head: permuting the candidate actions permutes their logits.
   perm = np.random.default_rng(0).permutation(legal.shape[0])
-  shuffled = dict(obs, actions=obs["actions"][perm], action_node=obs["action_node"][perm],
-                  action_mask=legal[perm])
+  shuffled = dict(obs, actions=obs["actions"][perm], action_nodes=obs["action_nodes"][perm],
+                  action_nodes_mask=obs["action_nodes_mask"][perm], action_mask=legal[perm])
   np.testing.assert_allclose(nets.apply(params, shuffled).logits, np.asarray(out.logits)[perm],
                              rtol=1e-5, atol=1e-5)
   # Batched observations give the same answers.

@@ -226,6 +226,43 @@ def test_observation_shapes_and_sharding_features():
   assert obs0["node_sharding"].sum() == 0   # earlier observations are not mutated
 
 
+
+def test_actions_name_the_values_they_tile_and_globals_what_is_sharded():
+  """A manual tactic's row points at its footprint (Megatron: weights, BatchParallel: the batch,
+  ZeRO: optimizer state and batch) with its bytes by role; the globals give per role and axis the share of
+  bytes sharded, which moves from 0 to 1 for the data when the batch is split."""
+  from environments.actions import ROLES, TACTIC_KINDS
+  from environments.observations import MAX_AXES, MAX_RANK, PROGRAM_FEATURES, TOUCHED
+  env = PartitioningEnv(Task("gpt:mini", "batch=4,model=2"))
+  obs = env.reset().observation
+  program = env.context.program
+  role_share = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1
+
+  def touched(name):
+    i = env.action_index(name)
+    return ([program.name(v) for v in obs["action_nodes"][i][obs["action_nodes_mask"][i]]],
+            obs["actions"][i, role_share:role_share + len(ROLES)])
+  names, share = touched("Megatron(model)")
+  assert names and all(n.startswith("params/") for n in names) and share[0] == 1.0
+  names, share = touched("BatchParallel(batch)")
+  assert names and all(n.startswith("batch/") for n in names) and share[2] == 1.0
+  names, share = touched("ZeRO(batch, stage=1)")     # data parallel, optimizer state split
+  assert len(names) == TOUCHED and {n.split("/")[0] for n in names} == {"opt_state", "batch"}
+  assert share[1] > 0.99 and 0 < share[2] < 0.01
+  names, _ = touched("Tile(params/gpt/layer_*/w_in/w, 1, model)")
+  assert names == ["params/gpt/layer_0/w_in/w", "params/gpt/layer_1/w_in/w"]
+  assert not obs["action_nodes_mask"][env.finish_action].any()
+
+  start = MAX_AXES + 8 + PROGRAM_FEATURES
+  shared = lambda o: o["globals"][start:start + len(ROLES) * MAX_AXES].reshape(len(ROLES),
+                                                                                MAX_AXES)
+  assert shared(obs).sum() == 0
+  after = shared(env.step(env.action_index("BatchParallel(batch)")).observation)
+  assert after[ROLES.index("data"), 0] == 1.0          # all of the batch over `batch`
+  assert after[ROLES.index("param")].sum() == 0        # no parameter is split
+  after = shared(env.step(env.action_index("Megatron(model)")).observation)
+  assert 0 < after[ROLES.index("param"), 1] < 1        # some of the parameters over `model`
+
 def test_program_features_tell_model_families_apart():
   """The globals say what kind of model it is: convolution FLOPs, attention (batched) matmuls."""
   from environments.observations import MAX_AXES, program_features
@@ -239,6 +276,8 @@ def test_program_features_tell_model_families_apart():
   assert conv[5] > 0.9 and attention[5] == mlp[5] == 0              # conv share of FLOPs
   assert attention[4] > 0.9 and mlp[4] > 0.9 and conv[4] < 0.1      # matmul share of FLOPs
   assert attention[7] > 0.1 and mlp[7] == conv[7] == 0              # batched (attention) matmuls
+  # FLOPs per parameter byte: a quarter of the batch, two fewer bits of compute per byte.
+  np.testing.assert_allclose(attention[12] - features("gpt:mini,batch=8")[12], 2 / 20, atol=0.01)
   ts = PartitioningEnv(Task("resnet:mini", "batch=4,model=2")).reset()
   np.testing.assert_allclose(ts.observation["globals"][MAX_AXES + 8:MAX_AXES + 8 + len(conv)],
                              conv)
