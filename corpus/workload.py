@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from partitioner.errors import WorkloadError
+from partitioner.tracing import is_array
 
 
 class Workload(NamedTuple):
@@ -26,11 +27,13 @@ class Workload(NamedTuple):
 
 
 def abstractify(tree):
-  return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+  """Array leaves as `jax.ShapeDtypeStruct`s; other leaves (a Python step count) unchanged."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype) if is_array(x) else x, tree)
 
 
 def parameter_count(params) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params) if hasattr(x, "shape")))
 
 
 def from_object(name: str, obj: Any) -> Workload:
@@ -69,7 +72,11 @@ def load_user(spec: str) -> Workload:
   fn = getattr(module, func, None)
   if fn is None or not callable(fn):
     raise WorkloadError(f"{target} has no function {func!r}")
-  return from_object(spec, fn())
+  try:
+    made = fn()
+  except Exception as e:  # the user's code: one line, not a traceback
+    raise WorkloadError(f"{spec} failed: {type(e).__name__}: {e}") from None
+  return from_object(spec, made)
 
 
 def replace_config(config, overrides: dict[str, str], family: str):

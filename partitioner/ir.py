@@ -104,7 +104,8 @@ class Program:
 
   def __init__(self, values: list[Value], ops: list[Op], inputs: Sequence[int],
                input_names: Sequence[str], outputs: Sequence[int], output_names: Sequence[str],
-               in_tree, out_tree, arg_names: Sequence[str], aliases: dict[int, int]):
+               in_tree, out_tree, arg_names: Sequence[str], aliases: dict[int, int],
+               static: dict[int, Any] | None = None):
     self.values = values
     self.ops = ops
     self.inputs = tuple(inputs)
@@ -115,6 +116,7 @@ class Program:
     self.out_tree = out_tree
     self.arg_names = tuple(arg_names)
     self.aliases = dict(aliases)  # output position -> input position (the updated state).
+    self.static = dict(static or {})  # argument leaf position -> a constant of the trace
     self._input_pos = {v: i for i, v in enumerate(self.inputs)}
     self._output_pos: dict[int, int] = {}
     for i, v in enumerate(self.outputs):
@@ -203,9 +205,11 @@ class Program:
     return counts
 
   # ----------------------------------------------------------------------------- evaluation
-  def evaluate(self, *flat_inputs, on_result=None):
+  def evaluate(self, *flat_inputs, on_result=None, bind_op=None):
     """Runs the program on flat input leaves and returns the flat outputs (un-partitioned).
-    `on_result(value id, x)`, if given, may replace each op result (a sharding constraint)."""
+    `on_result(value id, x)`, if given, may replace each op result (a sharding constraint);
+    `bind_op(op, args)`, if given, runs ops in place of `bind` (a rewrite of one kind of op)."""
+    bind_op = bind_op or (lambda op, args: bind(op, args, op.params))
     env: list[Any] = [None] * len(self.values)
     for vid, x in zip(self.inputs, flat_inputs):
       env[vid] = x
@@ -213,22 +217,35 @@ class Program:
       if v.is_const:
         env[v.id] = v.const
     for op in self.ops:
-      outs = bind(op, [env[i] for i in op.inputs], op.params)
+      outs = bind_op(op, [env[i] for i in op.inputs])
       for vid, x in zip(op.outputs, outs):
         env[vid] = x if on_result is None else on_result(vid, x)
     return [env[v] for v in self.outputs]
 
   def __call__(self, *args):
     import jax
-    leaves = jax.tree_util.tree_leaves(args)
-    return jax.tree_util.tree_unflatten(self.out_tree, self.evaluate(*leaves))
+    return jax.tree_util.tree_unflatten(self.out_tree, self.evaluate(*self.flatten_args(args)))
 
   def flatten_args(self, args) -> list:
+    """The input leaves of `args` (arguments shaped like the traced ones). Leaves that were
+    constants when traced (Python numbers, strings) must be equal now: the program has them
+    built in."""
     import jax
     leaves, tree = jax.tree_util.tree_flatten(tuple(args))
     if tree != self.in_tree:
       raise ValueError(f"arguments do not match the traced structure:\n{tree}\nvs\n{self.in_tree}")
-    return leaves
+    for i, traced in self.static.items():
+      given = leaves[i]
+      if isinstance(given, jax.core.Tracer):
+        continue  # under an outer jit: the traced constant is what runs
+      try:
+        same = bool(given is traced or given == traced)
+      except Exception:
+        same = False
+      if not same:
+        raise ValueError(f"argument leaf {i} was the constant {traced!r} when the program was "
+                         f"traced, got {given!r}: pass an array to make it an input")
+    return [x for i, x in enumerate(leaves) if i not in self.static]
 
   def __repr__(self) -> str:
     return (f"Program({len(self.ops)} ops, {len(self.inputs)} inputs, {len(self.outputs)} outputs)")

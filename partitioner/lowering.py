@@ -151,16 +151,25 @@ class JaxShardings(NamedTuple):
   in_shardings: tuple            # pytree of NamedSharding, like the arguments
   out_shardings: Any             # pytree of NamedSharding, like the outputs
   constrained: Callable          # the program with with_sharding_constraint on intermediates
+  flat_in: tuple                 # NamedSharding per program input (array leaves only)
+  flat_out: tuple                # NamedSharding per program output
+  constrained_flat: Callable     # `constrained` on the input leaves, returning output leaves
 
 
 def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
+  """Shardings for `jax.jit`. Argument leaves that are constants of the trace (a Python step
+  count) get a replicated sharding in `in_shardings`; the program does not read them."""
   program, state = pp.program, pp.state
   mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
   named = lambda vid: NamedSharding(mesh, Sharding(state.dims[vid]).spec())
-  in_flat = [named(v) for v in program.inputs]
-  out_flat = [named(v) for v in program.outputs]
-  in_shardings = jax.tree_util.tree_unflatten(program.in_tree, in_flat)
-  out_shardings = jax.tree_util.tree_unflatten(program.out_tree, out_flat)
+  flat_in = tuple(named(v) for v in program.inputs)
+  flat_out = tuple(named(v) for v in program.outputs)
+  replicated = NamedSharding(mesh, Sharding(()).spec())
+  per_leaf, inputs = [], iter(flat_in)
+  for i in range(program.in_tree.num_leaves):
+    per_leaf.append(replicated if i in program.static else next(inputs))
+  in_shardings = jax.tree_util.tree_unflatten(program.in_tree, per_leaf)
+  out_shardings = jax.tree_util.tree_unflatten(program.out_tree, list(flat_out))
   constraints = {v.id: named(v.id) for v in program.values
                  if v.producer is not None and v.rank > 0}
 
@@ -168,15 +177,68 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
     s = constraints.get(vid)
     return x if s is None else lax.with_sharding_constraint(x, s)
 
+  mesh_axes = set(pp.mesh.sizes)
+  padded_concats = {op.index for op in program.ops if op.name == "concatenate" and (
+      (dims := state.dims[op.outputs[0]])[op.params["dimension"]]
+      and {a for d in dims for a in d} != mesh_axes)}
+
+  def bind_op(op, args):
+    if op.index in padded_concats:
+      return [concatenate_by_padding(args, op.params["dimension"])]
+    return bind(op, args, op.params)
+
+  def constrained_flat(*inputs):
+    return tuple(program.evaluate(*inputs, on_result=constrain, bind_op=bind_op))
+
   def constrained(*args):
-    outs = program.evaluate(*program.flatten_args(args), on_result=constrain)
-    return jax.tree_util.tree_unflatten(program.out_tree, outs)
+    outs = constrained_flat(*program.flatten_args(args))
+    return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
 
-  return JaxShardings(mesh, tuple(in_shardings), out_shardings, constrained)
+  return JaxShardings(mesh, tuple(in_shardings), out_shardings, constrained, flat_in, flat_out,
+                      constrained_flat)
 
 
-def jit_partitioned(pp, jax_mesh=None) -> Callable:
+def concatenate_by_padding(args, dimension: int):
+  """`lax.concatenate` as a sum of zero-padded operands: exact, and what the jit lowering emits
+  for a concatenate whose concatenated dimension is sharded while other mesh axes replicate
+  the result. XLA's SPMD partitioner on CPU (jaxlib 0.4.34) miscompiles that case: the result
+  comes back multiplied by the number of replicas (jax-ml/jax#19106)."""
+  total = sum(a.shape[dimension] for a in args)
+  out, offset = None, 0
+  for a in args:
+    config = [(0, 0, 0)] * a.ndim
+    config[dimension] = (offset, total - offset - a.shape[dimension], 0)
+    piece = lax.pad(a, jnp.zeros((), a.dtype), config)
+    out = piece if out is None else (out | piece if a.dtype == jnp.bool_ else out + piece)
+    offset += a.shape[dimension]
+  return out
+
+
+class JittedProgram:
+  """A jitted (lowered, compiled) program over input leaves, called with the original
+  arguments: `pp.jit()(*args)`, `pp.jit().lower(*args).compile()(*args)`. Everything else
+  (`as_text`, `memory_analysis`, ...) is the wrapped JAX object's."""
+
+  def __init__(self, program, wrapped):
+    self.program, self.wrapped = program, wrapped
+
+  def __call__(self, *args):
+    outs = self.wrapped(*self.program.flatten_args(args))
+    return jax.tree_util.tree_unflatten(self.program.out_tree, list(outs))
+
+  def lower(self, *args):
+    return JittedProgram(self.program, self.wrapped.lower(*self.program.flatten_args(args)))
+
+  def compile(self, *args, **kwargs):
+    return JittedProgram(self.program, self.wrapped.compile(*args, **kwargs))
+
+  def __getattr__(self, name):
+    return getattr(self.wrapped, name)
+
+
+def jit_partitioned(pp, jax_mesh=None) -> JittedProgram:
   """`jax.jit` of the program with the partitioner's shardings on inputs, outputs and
   intermediates."""
   s = to_jax_shardings(pp, jax_mesh)
-  return jax.jit(s.constrained, in_shardings=s.in_shardings, out_shardings=s.out_shardings)
+  return JittedProgram(pp.program, jax.jit(s.constrained_flat, in_shardings=s.flat_in,
+                                           out_shardings=s.flat_out))

@@ -1,8 +1,12 @@
-"""What the values of a program are for, found from names and structure.
+"""What the values of a program are for, found from the dataflow.
 
-Tactics must find their targets in any model, not in hand-listed internals. Inputs are grouped
-by the function's parameter names (`params`, `opt_state`, `batch`); the forward pass is what
-the non-state outputs (the loss) depend on; Megatron pairs are found by following a weight's
+Tactics must find their targets in any model, whatever its arguments are called. State is the
+inputs whose updated version is an output; parameters are the state the loss (the outputs
+that are not state) is computed from; optimizer state is the rest of the state that the new
+parameters are computed from (moments, counts); what remains of the state is model state
+(batch-norm statistics). Inputs that are not state are data, unless their name says they are
+parameters or optimizer state (a function with no updated state, or frozen weights). The
+forward pass is what the loss depends on; Megatron pairs are found by following a weight's
 output factor through the forward pass until another weight contracts it.
 """
 
@@ -19,7 +23,8 @@ from partitioner.factors import PASS, REPL, SUM, split_dim
 from partitioner.ir import Program
 from partitioner.propagation import factor_table
 
-_PARAM = re.compile(r"param|weight|variables|state", re.I)  # model state: batch-norm stats
+# Names only decide for inputs that are not state.
+_PARAM = re.compile(r"param|weight|variables|state", re.I)
 _OPT = re.compile(r"opt", re.I)
 
 
@@ -27,6 +32,7 @@ class Roles(NamedTuple):
   params: tuple[int, ...]
   opt_state: tuple[int, ...]
   data: tuple[int, ...]
+  model_state: tuple[int, ...] = ()
 
 
 def _top(name: str) -> str:
@@ -37,10 +43,37 @@ def _is_key(v) -> bool:
   return v.dtype == np.uint32 and v.rank >= 1 and v.shape[-1] == 2 or v.dtype.kind == "V"
 
 
+def _ancestors(program: Program, targets) -> set[int]:
+  """Values the `targets` are computed from (themselves included)."""
+  seen, stack = set(targets), list(targets)
+  while stack:
+    p = program.values[stack.pop()].producer
+    if p is None:
+      continue
+    for v in program.ops[p].inputs:
+      if v not in seen:
+        seen.add(v)
+        stack.append(v)
+  return seen
+
+
 @functools.lru_cache(maxsize=64)
 def roles(program: Program) -> Roles:
-  params, opt, data = [], [], []
+  state = program.aliased
+  loss = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
+  read_by_loss = _ancestors(program, loss)
+  new_params = [o for v in state if v in read_by_loss for o in state[v]]
+  read_by_update = _ancestors(program, new_params)
+  params, opt, data, model = [], [], [], []
   for vid, name in zip(program.inputs, program.input_names):
+    if vid in state:
+      if vid in read_by_loss:
+        params.append(vid)
+      elif vid in read_by_update:
+        opt.append(vid)
+      else:
+        model.append(vid)
+      continue
     top = _top(name)
     if _OPT.search(top):
       opt.append(vid)
@@ -48,7 +81,7 @@ def roles(program: Program) -> Roles:
       params.append(vid)
     elif program.values[vid].rank >= 1 and not _is_key(program.values[vid]):
       data.append(vid)
-  return Roles(tuple(params), tuple(opt), tuple(data))
+  return Roles(tuple(params), tuple(opt), tuple(data), tuple(model))
 
 
 def batch_inputs(program: Program, candidates) -> tuple[list[int], list[int]]:
@@ -67,19 +100,29 @@ def aliased_outputs(program: Program, vid: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _params_by_path(program: Program) -> dict[str, int]:
-  return {program.name(p).split("/", 1)[-1]: p for p in roles(program).params}
+def _params_by_suffix(program: Program) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """Every path suffix of every parameter's name -> the parameters ending with it."""
+  out: dict[tuple[str, ...], list[int]] = {}
+  for p in roles(program).params:
+    parts = tuple(program.name(p).split("/"))
+    for k in range(len(parts)):
+      out.setdefault(parts[k:], []).append(p)
+  return {k: tuple(v) for k, v in out.items()}
 
 
 def matching_param(program: Program, opt_vid: int) -> int | None:
-  """The parameter an optimizer-state leaf belongs to: same shape, the longest path suffix."""
-  by_path = _params_by_path(program)
-  parts = program.name(opt_vid).split("/")
+  """The parameter an optimizer-state leaf belongs to: among parameters of its shape, the one
+  whose path shares the longest suffix with its path (`opt_state/0/mu/dense/w` and
+  `params/dense/w`, `state/opt_state/0/nu/Dense_0/kernel` and `state/params/Dense_0/kernel`)."""
+  by_suffix = _params_by_suffix(program)
+  parts = tuple(program.name(opt_vid).split("/"))
   shape = program.values[opt_vid].shape
   for k in range(1, len(parts)):
-    p = by_path.get("/".join(parts[k:]))
-    if p is not None and program.values[p].shape == shape:
-      return p
+    found = [p for p in by_suffix.get(parts[k:], ()) if program.values[p].shape == shape]
+    if len(found) == 1:
+      return found[0]
+    if found:
+      return None  # ambiguous: a shorter suffix only matches more
   return None
 
 
@@ -113,22 +156,74 @@ def depends_on(program: Program, sources: tuple[int, ...]) -> frozenset[int]:
 
 
 def param_source(program: Program, vid: int, params: frozenset[int]):
-  """If `vid` is a parameter seen through casts and transposes: (param, dim map), else None."""
+  """If `vid` is a parameter seen through casts, transposes and slices of a stacked parameter
+  (one layer of `lax.scan` over stacked weights, unrolled): (param, dim map), else None."""
   dims = list(range(program.values[vid].rank))
   while vid not in params:
     p = program.values[vid].producer
     if p is None:
       return None
     op = program.ops[p]
+    src = program.values[op.inputs[0]] if op.inputs else None
     if op.name in ("convert_element_type", "copy", "reduce_precision"):
+      vid = op.inputs[0]
+    elif op.name in ("slice", "dynamic_slice") and all(   # one layer of a stacked weight
+        n in (1, m) for n, m in zip(program.values[vid].shape, src.shape)):
       vid = op.inputs[0]
     elif op.name == "transpose":
       perm = op.params["permutation"]
       dims = [perm[d] for d in dims]
       vid = op.inputs[0]
+    elif op.name == "squeeze":
+      kept = [d for d in range(src.rank) if d not in op.params["dimensions"]]
+      dims = [kept[d] for d in dims]
+      vid = op.inputs[0]
+    elif op.name == "reshape" and [n for n in src.shape if n != 1] == [
+        n for n in program.values[vid].shape if n != 1]:
+      kept = [d for d in range(src.rank) if src.shape[d] != 1]
+      out = [d for d in range(program.values[vid].rank) if program.values[vid].shape[d] != 1]
+      where = dict(zip(out, kept))
+      if any(d not in where for d in dims if program.values[vid].shape[d] != 1):
+        return None
+      dims = [where.get(d, -1) for d in dims]
+      vid = op.inputs[0]
     else:
       return None
   return vid, dims
+
+
+@functools.lru_cache(maxsize=64)
+def stacked_dims(program: Program) -> dict[int, int]:
+  """State inputs stacked over layers (`hk.layer_stack`, `nn.scan`, `lax.scan` over a dict of
+  weights) -> their layer dimension: every forward-pass read takes one slice along it (a scan
+  unrolled when traced), or it is a scanned-over operand of a `scan`. Optimizer state has the
+  layer dimension of its parameter. Tactics meant for the batch or the model never tile it."""
+  forward = forward_ops(program)
+  r = roles(program)
+  found: dict[int, int] = {}
+  for vid in r.params + r.model_state:
+    value, dims = program.values[vid], None
+    for u in program.users[vid]:
+      if u not in forward:
+        continue
+      op = program.ops[u]
+      if op.name in ("slice", "dynamic_slice") and op.inputs[0] == vid:
+        out = program.values[op.outputs[0]].shape
+        here = {d for d in range(value.rank) if out[d] == 1 and value.shape[d] > 1}
+      elif op.name == "scan" and op.inputs.index(vid) >= (
+          op.params["num_consts"] + op.params["num_carry"]):
+        here = {0}
+      else:
+        dims = set()
+        break
+      dims = here if dims is None else dims & here
+    if dims and len(dims) == 1:
+      found[vid] = dims.pop()
+  for o in r.opt_state:
+    p = matching_param(program, o)
+    if p in found:
+      found[o] = found[p]
+  return found
 
 
 class MegatronPair(NamedTuple):
@@ -242,6 +337,8 @@ def expert_weights(program: Program) -> tuple[tuple[int, int], ...]:
       if src is None:
         continue
       for d in batch[side]:
+        if src[1][d] < 0:
+          continue
         entry = (src[0], src[1][d])
         if entry not in found:
           found.append(entry)
@@ -263,7 +360,7 @@ def embedding_tables(program: Program) -> tuple[tuple[int, int], ...]:
       continue
     fac = table[op.index].factors
     for d, fl in enumerate(fac.operands[0]):
-      if fl and fac.kinds[fl[0]] == SUM:
+      if fl and fac.kinds[fl[0]] == SUM and src[1][d] >= 0:
         entry = (src[0], src[1][d])
         if entry not in found:
           found.append(entry)

@@ -310,11 +310,13 @@ class ZeRO(Tactic):
           ctx.tile(vid, 0, self.axis)
       ctx.propagate()
 
+    layer_dim = R.stacked_dims(program)
+
     def choose_dim(vid):
       v = program.values[vid]
       dims = state.dims[vid]
       options = [d for d in range(v.rank) if v.shape[d] % (m * _count(state, vid, d)) == 0
-                 and self.axis not in dims[d]]
+                 and self.axis not in dims[d] and d != layer_dim.get(vid)]
       if any(self.axis in d for d in dims) or not options:
         return None
       return max(options, key=lambda d: (not dims[d], v.shape[d], -d))

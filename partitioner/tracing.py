@@ -21,6 +21,7 @@ import numpy as np
 from jax import core
 from jax import tree_util
 
+from partitioner.errors import WorkloadError
 from partitioner.ir import Op, Program, Value
 
 # Call-like primitives whose body is inlined, with the parameter holding the body.
@@ -194,35 +195,79 @@ def _unrolled_scan(eqn) -> core.ClosedJaxpr:
   return jax.make_jaxpr(unrolled)(*avals)
 
 
-def _find_aliases(args, out_shape, in_offsets: list[int]) -> dict[int, int]:
-  """Output leaves that are the updated version of an argument (same structure, shapes, dtypes)."""
-  def signature(tree):
-    leaves, treedef = tree_util.tree_flatten(tree)
-    return treedef, tuple((tuple(l.shape), np.dtype(l.dtype)) for l in leaves)
+def is_array(x) -> bool:
+  """Whether a pytree leaf is data (an array or an abstract one) rather than a constant."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, core.Tracer))
 
-  arg_sigs = [signature(a) for a in args]
-  parts = list(out_shape) if isinstance(out_shape, (tuple, list)) else [out_shape]
-  aliases, used, out_offset = {}, set(), 0
-  for part in parts:
-    sig = signature(part)
-    n = len(sig[1])
-    for j, asig in enumerate(arg_sigs):
-      if j not in used and n and asig == sig:
+
+def _signature(x) -> tuple | None:
+  return (tuple(x.shape), np.dtype(x.dtype)) if is_array(x) else None
+
+
+def _children(tree) -> list:
+  """The pytree node's direct children in flattening order ([] for a leaf)."""
+  children, _ = tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)
+  return [] if len(children) == 1 and children[0] is tree else children
+
+
+def _find_aliases(args, out_shape, dynamic: list[int]) -> dict[int, int]:
+  """Output leaves that are the updated version of an argument leaf: a piece of the result
+  (the result itself, or recursively one of its children) with the same tree structure as an
+  argument, leaf by leaf with the same shape and dtype. Leaves that were constants in the
+  argument alias nothing."""
+  input_of = {flat: k for k, flat in enumerate(dynamic)}   # flat leaf -> input position
+  arg_leaves, offset = [], 0
+  for a in args:
+    leaves, treedef = tree_util.tree_flatten(a)
+    arg_leaves.append((treedef, leaves, offset))
+    offset += len(leaves)
+  aliases, used = {}, set()
+
+  def match(part, out_offset) -> int:
+    leaves, treedef = tree_util.tree_flatten(part)
+    for j, (atree, aleaves, aoffset) in enumerate(arg_leaves):
+      if j in used or not leaves or atree != treedef:
+        continue
+      matched = {out_offset + k: input_of[aoffset + k]
+                 for k, (a, o) in enumerate(zip(aleaves, leaves))
+                 if aoffset + k in input_of and _signature(a) == _signature(o)}
+      if matched:
         used.add(j)
-        for k in range(n):
-          aliases[out_offset + k] = in_offsets[j] + k
-        break
-    out_offset += n
+        aliases.update(matched)
+        return len(leaves)
+    for child in _children(part):
+      out_offset += match(child, out_offset)
+    return len(leaves)
+
+  match(out_shape, 0)
   return aliases
 
 
 def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None) -> Program:
-  """Traces `fn(*args)` (arrays or `jax.ShapeDtypeStruct`s) into a `Program`."""
-  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  """Traces `fn(*args)` into a `Program`. Arguments are pytrees (dicts, NamedTuples,
+  dataclasses, Flax `TrainState`s...); array leaves (or `jax.ShapeDtypeStruct`s) are the
+  inputs, every other leaf (a Python number, a string, a callable) is a constant of the trace.
+  A function that fails to trace raises `WorkloadError` naming the cause."""
   names = list(arg_names) if arg_names is not None else argument_names(fn, len(args))
   leaves_with_paths, in_tree = tree_util.tree_flatten_with_path(tuple(args))
+  leaves = [x for _, x in leaves_with_paths]
+  dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
+  static = {i: x for i, x in enumerate(leaves) if not is_array(x)}
+
+  def flat_fn(*inputs):
+    full = list(leaves)
+    for i, x in zip(dynamic, inputs):
+      full[i] = x
+    return fn(*tree_util.tree_unflatten(in_tree, full))
+
+  try:
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*(leaves[i] for i in dynamic))
+  except Exception as e:  # the user's function: one line, the cause kept for debugging
+    raise WorkloadError(f"tracing {getattr(fn, '__name__', 'the function')} failed: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
   input_names = []
-  for path, _ in leaves_with_paths:
+  for i in dynamic:
+    path = leaves_with_paths[i][0]
     top, rest = path[0], path[1:]
     arg = names[top.idx]
     input_names.append(arg + ("/" + path_name(rest) if rest else ""))
@@ -235,11 +280,6 @@ def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None) -> Progra
 
   out_paths, out_tree = tree_util.tree_flatten_with_path(out_shape)
   output_names = [("out/" + path_name(p)) if p else "out" for p, _ in out_paths]
-
-  offsets, total = [], 0
-  for a in args:
-    offsets.append(total)
-    total += len(tree_util.tree_leaves(a))
-  aliases = _find_aliases(args, out_shape, offsets)
+  aliases = _find_aliases(args, out_shape, dynamic)
   return Program(builder.values, builder.ops, inputs, input_names, outputs, output_names,
-                 in_tree, out_tree, names, aliases)
+                 in_tree, out_tree, names, aliases, static)

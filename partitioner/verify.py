@@ -18,11 +18,11 @@ class Verification(NamedTuple):
 
 
 def example_inputs(args, seed: int = 0) -> list:
-  """Concrete flat inputs: given arrays as they are, abstract ones filled at random (floats in
-  [0, 0.1), integers in {0, 1}, booleans at random)."""
+  """Concrete flat leaves: given arrays and constants (Python numbers) as they are, abstract
+  arrays filled at random (floats in [0, 0.1), integers in {0, 1}, booleans at random)."""
   rng = np.random.default_rng(seed)
   out = []
-  for x in jax.tree_util.tree_leaves(args):
+  for x in jax.tree_util.tree_leaves(tuple(args)):
     if not isinstance(x, jax.ShapeDtypeStruct):
       out.append(x)
       continue
@@ -68,7 +68,7 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
   program = pp.program
   flat = example_inputs(args, seed)
   concrete = jax.tree_util.tree_unflatten(program.in_tree, flat)
-  expected = jax.jit(program.evaluate)(*flat)
+  expected = jax.jit(program.evaluate)(*program.flatten_args(concrete))
   mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
   results = {
       "shard_map": jax.tree_util.tree_leaves(jax.jit(pp.lower_spmd(mesh))(*concrete)),
