@@ -9,10 +9,10 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: install demo test bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip==24.2"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hf]"
 	touch $(STAMP)
 
 install: $(STAMP)

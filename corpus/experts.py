@@ -72,6 +72,10 @@ FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
     "moe": _DATA + _TENSOR + ("dp+ep", "dp+ep+zero3", "gshard"),
     "unet": _DATA,
     "ssm": _DATA + _TENSOR + _VOCAB,
+    "hf_gpt2": _DATA + _TENSOR + _VOCAB,
+    "hf_bert": _DATA + _TENSOR + _VOCAB,
+    "hf_t5": _DATA + _TENSOR + _VOCAB,
+    "hf_vit": _DATA + _TENSOR,
 }
 
 

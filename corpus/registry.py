@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from corpus import bert, gnn, gpt, mlp, moe, resnet, ssm, t5, unet, vit
+from corpus import bert, gnn, gpt, hf, mlp, moe, resnet, ssm, t5, unet, vit
 from corpus.workload import Workload, abstractify, load_user, parameter_count, replace_config
 from partitioner.errors import WorkloadError
 
@@ -45,9 +45,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _family(moe, "heldout", "MoE decoder: top-k router, expert capacity, load-balancing loss"),
     _family(unet, "heldout", "diffusion UNet: res blocks, group norm, skips, noise prediction"),
     _family(ssm, "heldout", "state-space LM: diagonal linear recurrence with lax.scan, GLU"),
+    # The real-models tier: HuggingFace Flax models as their users write them (corpus/hf.py).
+    _family(hf.hf_gpt2, "real", "HF Flax GPT-2: fused q/k/v (c_attn), Conv1D kernels, AdamW"),
+    _family(hf.hf_bert, "real", "HF Flax BERT masked LM: post-LN, tied decoder, AdamW"),
+    _family(hf.hf_t5, "real", "HF Flax T5: relative position buckets, RMS norm, AdamW"),
+    _family(hf.hf_vit, "real", "HF Flax ViT: patch convolution, class token, AdamW"),
 )}
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "real")
 
 # At one preset each train family has one best expert strategy, so the training tasks would
 # demonstrate only a few strategy families (hsdp, megatron, dp) and never convolutions that
@@ -63,7 +68,8 @@ TRAIN_VARIANTS = {"mini": ("gpt:mini,batch=8", "bert:mini,batch=16", "vit:mini,b
 
 
 def split(name: str) -> list[str]:
-  """The family names of a split: "train" (to learn from) or "heldout" (to evaluate on)."""
+  """The family names of a split: "train" (to learn from), "heldout" (to evaluate on) or
+  "real" (HuggingFace models, written by others)."""
   if name not in SPLITS:
     raise WorkloadError(f"unknown split {name!r}; splits: {', '.join(SPLITS)}")
   return [f.name for f in FAMILIES.values() if f.split == name]
@@ -101,7 +107,7 @@ def build(spec: str, abstract: bool | None = None) -> Workload:
   key = jax.random.PRNGKey(config.seed)
   shapes = jax.eval_shape(init, key)
   if abstract is None:
-    abstract = parameter_count(shapes[0]) > ABSTRACT_ABOVE
+    abstract = parameter_count(getattr(shapes[0], "params", shapes[0])) > ABSTRACT_ABOVE
   args = shapes if abstract else init(key)
   return Workload(spec, train_step, tuple(args))
 

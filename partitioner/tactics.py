@@ -219,6 +219,10 @@ class EmbeddingSharding(Tactic):
     if not tables:
       raise PatternError("EmbeddingSharding found no embedding lookup of a parameter")
     for vid, dim in tables:
+      if any(self.axis in d for d in ctx.state.dims[vid]):
+        ctx.notes.append(f"{ctx.program.name(vid)}: already sharded over {self.axis} by an "
+                         "earlier tactic; left alone")
+        continue
       if ctx.program.values[vid].shape[dim] % m:
         ctx.notes.append(f"{ctx.program.name(vid)}: {ctx.program.values[vid].shape[dim]} rows "
                          f"do not divide by {m}; left alone")
