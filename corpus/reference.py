@@ -12,7 +12,9 @@ from partitioner.errors import ShardzeroError
 
 # Realistic sizes for the table, per family.
 TABLE_MODELS = ("mlp:large", "gpt:1.3b", "gpt:6.7b", "bert:large", "vit:large", "resnet:50",
-                "gnn:base", "t5:large", "moe:base", "unet:base", "ssm:base")
+                "gnn:base", "t5:large", "moe:base", "unet:base", "ssm:base",
+                # the real-models tier at published sizes
+                "hf_gpt2:124m", "hf_bert:large", "hf_t5:220m", "hf_vit:base")
 
 
 class Entry(NamedTuple):
@@ -46,7 +48,7 @@ def evaluate_model(spec: str, mesh, hardware, order: Sequence[str] | None = None
   family, _ = parse(spec)
   workload = load(spec, abstract=True)
   program = trace(workload.fn, *workload.args)
-  n_params = parameter_count(workload.args[0])
+  n_params = parameter_count(getattr(workload.args[0], "params", workload.args[0]))
   schedules = experts(family.name, mesh.names)
   if strategies is not None:
     schedules = {k: v for k, v in schedules.items() if k in strategies}

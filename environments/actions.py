@@ -45,14 +45,30 @@ class Action(NamedTuple):
 
 
 def _layerless(path: str) -> str:
-  """`gpt/layer_3/attn/w` -> `gpt/layer_*/attn/w`: numbered module instances become one."""
-  return "/".join(re.sub(r"_\d+$", "_*", seg) for seg in path.split("/"))
+  """`gpt/layer_3/attn/w` -> `gpt/layer_*/attn/w`, `h/3/attn` -> `h/*/attn`: numbered module
+  instances become one."""
+  return "/".join(re.sub(r"(^|_)\d+$", r"\1*", seg) for seg in path.split("/"))
+
+
+def _state_pattern(name: str, param: str) -> str:
+  """The glob for an optimizer-state leaf and its kin in every layer: where its path leaves
+  the parameter's, `/**/`, then the path they end with (`opt_state/**/gpt/layer_*/w`,
+  `state/opt_state/**/transformer/h/*/attn/c_attn/kernel`)."""
+  a, b = name.split("/"), param.split("/")
+  tail = 0
+  while tail < min(len(a), len(b)) - 1 and a[-1 - tail] == b[-1 - tail]:
+    tail += 1
+  head = 0
+  while head < len(a) - tail - 1 and a[head] == b[head]:
+    head += 1
+  return "/".join(a[:head + 1]) + "/**/" + _layerless("/".join(a[len(a) - tail:]))
 
 
 def decision_points(program: Program) -> list[DecisionPoint]:
   """The inputs with at least one dimension, grouped by role, layer-free path and shape."""
   roles = R.roles(program)
-  role_of = {**{v: "param" for v in roles.params}, **{v: "opt" for v in roles.opt_state},
+  role_of = {**{v: "param" for v in roles.params + roles.model_state},
+             **{v: "opt" for v in roles.opt_state},
              **{v: "data" for v in roles.data}}
   groups: dict[tuple, list[int]] = {}
   for vid, name in zip(program.inputs, program.input_names):
@@ -63,7 +79,7 @@ def decision_points(program: Program) -> list[DecisionPoint]:
     if role == "opt":
       p = R.matching_param(program, vid)
       if p is not None:
-        pattern = name.split("/", 1)[0] + "/**/" + _layerless(program.name(p).split("/", 1)[1])
+        pattern = _state_pattern(name, program.name(p))
     else:
       pattern = _layerless(name)
     groups.setdefault((role, pattern, v.shape), []).append(vid)

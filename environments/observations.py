@@ -122,8 +122,8 @@ def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
       matmul.sum() / n, conv.sum() / n, is_kind("vector").sum() / n, is_kind("memory").sum() / n,
       flops[matmul].sum() / total, flops[conv].sum() / total,
       sum(op.name in REDUCTIONS for op in ops) / n, batched / max(matmul.sum(), 1),
-      _log(len(ops), 16), _log(nbytes(roles.params), 40), _log(nbytes(roles.data), 40),
-      _log(total, 60), _log(total / max(nbytes(roles.params), 1), 20)], np.float32)
+      _log(len(ops), 16), _log(nbytes(roles.params + roles.model_state), 40), _log(nbytes(roles.data), 40),
+      _log(total, 60), _log(total / max(nbytes(roles.params + roles.model_state), 1), 20)], np.float32)
 
 
 class StaticGraph:
@@ -150,7 +150,7 @@ class StaticGraph:
     feats = np.zeros((n, NODE_FEATURES), np.float32)
     role = {}
     roles = R.roles(program)
-    for r, ids in zip(ROLES, (roles.params, roles.opt_state, roles.data)):
+    for r, ids in zip(ROLES, (roles.params + roles.model_state, roles.opt_state, roles.data)):
       role.update({v: r for v in ids})
     work = ProgramWork.of(program)
     outputs = set(program.outputs)
@@ -220,7 +220,8 @@ class StaticGraph:
       touched[i, :len(spread)], touched_mask[i, :len(spread)] = spread, True
     self.actions, self.action_nodes, self.action_nodes_mask = act, touched, touched_mask
     # Per role, the inputs' bytes: the share sharded over each axis is a global feature.
-    ids = [np.array(sorted(x), np.int64) for x in (roles.params, roles.opt_state, roles.data)]
+    ids = [np.array(sorted(x), np.int64)
+           for x in (roles.params + roles.model_state, roles.opt_state, roles.data)]
     self._role_values = np.concatenate(ids)
     weights = np.zeros((len(ROLES), len(self._role_values)), np.float32)
     start = 0

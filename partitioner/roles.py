@@ -230,6 +230,9 @@ class MegatronPair(NamedTuple):
   column: int          # the weight split along its output (free) dimension
   column_dim: int
   rows: tuple          # ((weight, dim), ...) that contract that dimension afterwards
+  # A fused projection (q, k and v from one matmul, then split): the (value, dim) of each
+  # chunk, tiled instead of the weight, whose rows hold every chunk's heads in turn.
+  chunks: tuple = ()
 
 
 @functools.lru_cache(maxsize=64)
@@ -271,7 +274,53 @@ def megatron_pairs(program: Program, axis_size: int) -> tuple[MegatronPair, ...]
         pairs.append(MegatronPair(w, dmap[fd], rows))
         assigned.add(w)
         assigned.update(r[0] for r in rows)
+        continue
+      chunks = _fused_chunks(program, forward, op.outputs[0], rdim, axis_size)
+      if chunks:
+        flows = [_flow_to_rows(program, table, forward, params, c, d, axis_size, w)
+                 for c, d in chunks]
+        if all(flows):
+          rows = tuple(dict.fromkeys(r for f in flows for r in f if r[0] != w))
+          pairs.append(MegatronPair(w, dmap[fd], rows, tuple(chunks)))
+          assigned.update(r[0] for r in rows)
   return tuple(pairs)
+
+
+_ELEMENTWISE = frozenset({"add", "sub", "mul", "convert_element_type", "copy"})
+
+
+def _fused_chunks(program: Program, forward, start: int, dim: int, m: int):
+  """If dimension `dim` of `start` is, after elementwise ops (a bias), split by slices into
+  equal chunks that each divide by `m` (`jnp.split(qkv, 3, axis=-1)`): the (chunk, dim) list."""
+  vid = start
+  while True:
+    users = [u for u in program.users[vid] if u in forward]
+    value = program.values[vid]
+    if users and all(program.ops[u].name == "slice" for u in users):
+      break
+    if len(users) != 1 or program.ops[users[0]].name not in _ELEMENTWISE:
+      return None
+    out = program.ops[users[0]].outputs[0]
+    if program.values[out].shape != value.shape:
+      return None
+    vid = out
+  chunks, covered = [], set()
+  for u in users:
+    op = program.ops[u]
+    starts, limits, strides = (op.params["start_indices"], op.params["limit_indices"],
+                               op.params.get("strides"))
+    if op.inputs[0] != vid or (strides and any(s != 1 for s in strides)):
+      return None
+    if any((starts[d], limits[d]) != (0, value.shape[d]) for d in range(value.rank) if d != dim):
+      return None
+    chunks.append((op.outputs[0], dim, starts[dim], limits[dim] - starts[dim]))
+  sizes = {c[3] for c in chunks}
+  if len(sizes) != 1 or len(chunks) < 2:
+    return None
+  size = sizes.pop()
+  if size % m or sorted(c[2] for c in chunks) != list(range(0, value.shape[dim], size)):
+    return None
+  return [(c, d) for c, d, _, _ in chunks]
 
 
 def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):

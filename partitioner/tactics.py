@@ -188,7 +188,10 @@ class Megatron(Tactic):
   """Tensor parallelism: MLPs split column-then-row, attention split by heads, over `axis`.
 
   The pairs are found structurally: a weight whose output dimension flows through pass-through
-  ops into another weight's contracting dimension (see `roles.megatron_pairs`).
+  ops into another weight's contracting dimension (see `roles.megatron_pairs`). A fused
+  projection (HF GPT-2's `c_attn`: q, k and v from one matmul, then split) is split by heads
+  at its chunks; its kernel stays replicated, since in the (chunk, head, head_dim) layout of
+  its rows one device's heads are not a contiguous block.
   """
   axis: str
   name: ClassVar[str] = "Megatron"
@@ -198,10 +201,21 @@ class Megatron(Tactic):
     pairs = R.megatron_pairs(ctx.program, m)
     if not pairs:
       raise PatternError(f"Megatron({self.axis}) found no weight pairs to split by {m}")
+    fused = []
     for pair in pairs:
-      ctx.tile(pair.column, pair.column_dim, self.axis)
+      if pair.chunks:
+        fused.append(ctx.program.name(pair.column))
+        for vid, d in pair.chunks:
+          ctx.tile(vid, d, self.axis)
+      else:
+        ctx.tile(pair.column, pair.column_dim, self.axis)
       for w, d in pair.rows:
         ctx.tile(w, d, self.axis)
+    if fused:
+      ctx.notes.append(
+          f"fused projections split by heads after the split, kernel replicated over "
+          f"{self.axis} (its rows hold each chunk's heads in turn, so no block of rows is one "
+          f"device's heads): {', '.join(sorted(set(fused))[:4])}" + (" ..." if len(set(fused)) > 4 else ""))
     ctx.propagate()
 
 

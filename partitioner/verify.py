@@ -51,13 +51,26 @@ def max_error(expected, actual) -> tuple[float, int]:
   return worst, where
 
 
+def tolerance(dtype, rtol: float, atol: float) -> tuple[float, float]:
+  """The tolerance for outputs of `dtype`: as given for float32 and wider, scaled by the
+  machine epsilon for narrower floats (bf16's is 2**-7, float32's 2**-23)."""
+  dtype = np.dtype(dtype)
+  if dtype.itemsize >= 4 or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    return rtol, atol
+  scale = float(jax.numpy.finfo(dtype).eps) / float(np.finfo(np.float32).eps)
+  return rtol * scale, atol * scale
+
+
 def _close(expected, actual, rtol, atol) -> bool:
   for a, b in zip(expected, actual):
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
       if not np.array_equal(a, b):
         return False
-    elif not np.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+      continue
+    r, t = tolerance(a.dtype, rtol, atol)
+    if not np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=r, atol=t,
+                       equal_nan=True):
       return False
   return True
 
@@ -68,10 +81,11 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
   program = pp.program
   flat = example_inputs(args, seed)
   concrete = jax.tree_util.tree_unflatten(program.in_tree, flat)
-  expected = jax.jit(program.evaluate)(*program.flatten_args(concrete))
+  inputs = program.flatten_args(concrete)
+  expected = jax.jit(program.evaluate)(*inputs)
   mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
   results = {
-      "shard_map": jax.tree_util.tree_leaves(jax.jit(pp.lower_spmd(mesh))(*concrete)),
+      "shard_map": list(jax.jit(pp.lower_spmd(mesh).flat)(*inputs)),
       "jit": jax.tree_util.tree_leaves(pp.jit(mesh)(*concrete)),
   }
   errors, ok, worst, worst_err = {}, True, "", -1.0

@@ -140,8 +140,11 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
     _gpu("a100-80gb", "NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16 (156 TF32), 2.0 TB/s, 8 per "
          "node with NVLink 3, 200 Gb/s InfiniBand per GPU", 312e12, 156e12, 80, 2039e9, 300e9,
          25e9),
-    _gpu("h100", "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 (494 TF32), 3.35 TB/s, 8 per node "
-         "with NVLink 4, 400 Gb/s InfiniBand per GPU", 989e12, 494e12, 80, 3350e9, 450e9, 50e9),
+    # float32 is the TF32 rate: JAX's default matmul precision runs f32 dots on TF32 tensor
+    # cores on Ampere and Hopper (the H100 does 67 TFLOP/s at precision=HIGHEST).
+    _gpu("h100", "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 (494 TF32, which f32 matmuls get at "
+         "JAX's default precision), 3.35 TB/s, 8 per node with NVLink 4, 400 Gb/s InfiniBand "
+         "per GPU", 989e12, 494e12, 80, 3350e9, 450e9, 50e9),
     Hardware("cpu", "host CPU devices (--xla_force_host_platform_device_count): a rough "
              "per-device share of a small machine, for checking orderings locally",
              {"float32": 20e9, "bfloat16": 5e9}, 8 * GiB, 10e9, 64,

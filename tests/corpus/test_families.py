@@ -26,10 +26,11 @@ def test_batch_parallel_verifies_with_gradient_all_reduces_only(family):
 
 
 def test_splits_partition_the_families():
-  train, heldout = corpus.split("train"), corpus.split("heldout")
+  train, heldout, real = corpus.split("train"), corpus.split("heldout"), corpus.split("real")
   assert len(train) >= 5 and len(heldout) >= 3
-  assert not set(train) & set(heldout)
-  assert set(train) | set(heldout) == set(corpus.FAMILIES)
+  assert set(real) == {"hf_gpt2", "hf_bert", "hf_t5", "hf_vit"}
+  assert not set(train) & set(heldout) and not (set(train) | set(heldout)) & set(real)
+  assert set(train) | set(heldout) | set(real) == set(corpus.FAMILIES)
   with pytest.raises(P.WorkloadError, match="unknown split 'test'"):
     corpus.split("test")
 

@@ -1,0 +1,189 @@
+"""Programs written by others: pytree arguments with constants in them, roles from the
+dataflow whatever the arguments are called, layers scanned over stacked weights, and the jit
+lowering of concatenates that XLA's CPU partitioner gets wrong."""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import partitioner as P
+from partitioner import roles as R
+from partitioner.verify import verify
+from tests.partitioner import scanned_model
+
+
+class Config(NamedTuple):
+  scale: float
+  name: str
+  activation: object
+
+
+@dataclasses.dataclass
+class Holder:
+  w: jax.Array
+  step: int
+  tag: str | None
+
+
+jax.tree_util.register_dataclass(Holder, data_fields=["w", "step", "tag"], meta_fields=[])
+
+
+def test_leaves_that_are_not_arrays_are_constants_of_the_trace():
+  def step(params, holder, config, batch):
+    h = config.activation(batch["x"] @ params["w"]) * config.scale
+    return {"w": params["w"] - 0.1 * (h.T @ batch["x"]).T}, h.sum() + holder.w.sum() * holder.step
+
+  params = {"w": jnp.ones((4, 6)) * 0.1}
+  holder = Holder(jnp.ones((3,)), 2, None)
+  config = Config(0.5, "relu", jax.nn.relu)
+  batch = {"x": jax.random.normal(jax.random.PRNGKey(0), (8, 4))}
+  program = P.trace(step, params, holder, config, batch)
+  assert program.input_names == ("params/w", "holder/w", "batch/x")
+  pp = P.apply(program, "batch=4", "BatchParallel(batch)")
+  assert verify(pp, (params, holder, config, batch)).ok
+  # The same call runs through both lowerings; a different constant is refused.
+  np.testing.assert_allclose(pp.jit()(params, holder, config, batch)[1],
+                             step(params, holder, config, batch)[1], rtol=1e-5)
+  with pytest.raises(ValueError, match="was the constant 2 when the program was traced"):
+    pp.lower_spmd()(params, Holder(holder.w, 3, None), config, batch)
+
+
+def test_a_function_that_fails_to_trace_is_one_workload_error():
+  def broken(params):
+    return params["missing"]
+
+  with pytest.raises(P.WorkloadError, match=r"tracing broken failed: KeyError: 'missing'"):
+    P.trace(broken, {"w": jnp.ones(3)})
+
+
+def _mlp_three_ways():
+  """One MLP training step spelled as (params, opt_state, batch), (p, o, t) and a Flax
+  TrainState (a Python step count, static apply_fn and tx)."""
+  from flax.training import train_state
+  tx = optax.adam(1e-2)
+  params = {"Dense_0": {"kernel": jnp.ones((16, 64)) * 0.1, "bias": jnp.zeros(64)},
+            "Dense_1": {"kernel": jnp.ones((64, 8)) * 0.1, "bias": jnp.zeros(8)}}
+  batch = {"x": jax.random.normal(jax.random.PRNGKey(0), (32, 16)),
+           "y": jax.random.normal(jax.random.PRNGKey(1), (32, 8))}
+
+  def apply(p, x):
+    return jnp.tanh(x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]) @ p["Dense_1"]["kernel"] \
+        + p["Dense_1"]["bias"]
+
+  def loss(p, b):
+    return jnp.mean((apply(p, b["x"]) - b["y"]) ** 2)
+
+  def named(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  def short(p, o, t):
+    return named(p, o, t)
+
+  def with_state(state, batch):
+    value, grads = jax.value_and_grad(loss)(state.params, batch)
+    return state.apply_gradients(grads=grads), value
+
+  state = train_state.TrainState.create(apply_fn=apply, params=params, tx=tx)
+  return {"named": (named, (params, tx.init(params), batch)),
+          "short": (short, (params, tx.init(params), batch)),
+          "train_state": (with_state, (state, batch))}
+
+
+def _suffixes(program, ids):
+  """Role members by the path they end with (their own argument names differ)."""
+  return sorted(program.name(v).split("/", 1)[1].replace("params/", "").replace("opt_state/", "")
+                for v in ids)
+
+
+def test_three_spellings_of_one_step_get_the_same_roles_points_and_costs():
+  from environments.actions import decision_points
+  from partitioner.cost import simulate
+  results = {}
+  for style, (fn, args) in _mlp_three_ways().items():
+    program = P.trace(fn, *args)
+    roles = R.roles(program)
+    points = sorted((d.role, len(d.members), d.shape) for d in decision_points(program))
+    costs = []
+    for schedule in ("BatchParallel(batch)", "BatchParallel(batch); Megatron(model)",
+                     "ZeRO(batch, stage=3)", "BatchParallel(batch); ZeRO(batch, stage=1)"):
+      pp = P.apply(program, "batch=4,model=2", schedule)
+      report = simulate(pp, "h100")
+      costs.append((round(report.step_time_s, 12), report.memory.breakdown["parameters"],
+                     report.memory.breakdown["optimizer_state"]))
+      assert verify(pp, args).ok, (style, schedule)
+    results[style] = (_suffixes(program, roles.params), _suffixes(program, roles.opt_state),
+                      _suffixes(program, roles.data), points, costs)
+  assert results["named"][0] == ["Dense_0/bias", "Dense_0/kernel", "Dense_1/bias",
+                                 "Dense_1/kernel"]
+  assert len(results["named"][1]) == 9    # mu and nu of each weight, and the step count
+  assert results["named"][2] == ["x", "y"]
+  assert results["short"] == results["named"]
+  assert results["train_state"][:3] == results["named"][:3]
+  assert results["train_state"][3] == results["named"][3]
+  for a, b in zip(results["train_state"][4], results["named"][4]):
+    assert a[1:] == b[1:] and a[0] == pytest.approx(b[0], rel=1e-6)
+
+
+def test_model_state_is_neither_parameter_nor_optimizer_state():
+  import corpus
+  workload = corpus.load("resnet:small")
+  program = P.trace(workload.fn, *workload.args)
+  roles = R.roles(program)
+  assert roles.model_state and all(program.name(v).startswith("model_state/")
+                                   for v in roles.model_state)
+  assert all(program.name(v).startswith("params/") for v in roles.params)
+  assert all(program.name(v).startswith("opt_state/") for v in roles.opt_state)
+
+
+def test_concatenate_of_a_sharded_dimension_under_partial_replication_lowers_exactly():
+  # XLA's CPU partitioner returns this concatenate multiplied by the replica count
+  # (jax-ml/jax#19106); the jit lowering emits it as a sum of padded pieces.
+  def f(x):
+    return jnp.concatenate([x[i:i + 1] * (i + 1) for i in range(4)], 0)
+
+  x = jnp.arange(4 * 64, dtype=jnp.float32).reshape(4, 64)
+  program = P.trace(f, x)
+  pp = P.apply(program, "batch=4,model=2", "Tile(out, 0, batch)")
+  result = verify(pp, (x,), rtol=0, atol=0)
+  assert result.ok, result.errors
+
+
+@pytest.fixture(scope="module")
+def scanned():
+  fn, args = scanned_model.workload(layers=4)
+  return fn, args, P.trace(fn, *args)
+
+
+def test_stacked_layer_weights_are_split_by_megatron_and_never_along_the_layer_dim(scanned):
+  fn, args, program = scanned
+  stacked = R.stacked_dims(program)
+  names = {program.name(v): d for v, d in stacked.items()}
+  assert names["params/layers/w1"] == 0 and names["opt_state/0/mu/layers/w1"] == 0
+  pp = P.apply(program, "batch=4,model=2", "BatchParallel(batch); Megatron(model)")
+  shardings = pp.summary()["shardings"]
+  assert shardings["params/layers/w1"] == [None, None, "model"]
+  assert shardings["params/layers/w2"] == [None, "model"]
+  assert shardings["params/layers/wq"] == [None, None, "model"]
+  assert shardings["params/layers/wo"] == [None, "model"]
+  assert shardings["batch/tokens"][0] == "batch"
+  assert verify(pp, args).ok
+  zero = P.apply(program, "batch=8", "ZeRO(batch, stage=3)")
+  for name, spec in zero.summary()["shardings"].items():
+    if "layers/" in name and spec:
+      assert spec[0] is None, name   # the layer dimension stays whole
+
+
+def test_layer_dimension_tiled_by_hand_verifies_in_both_lowerings(scanned):
+  fn, args, program = scanned
+  pp = P.apply(program, "batch=4,model=2",
+               "Tile(params/layers/**, 0, batch); Tile(opt_state/**/layers/**, 0, batch)")
+  result = verify(pp, args)
+  assert result.ok and result.errors["jit"] < 1e-5, result.errors
