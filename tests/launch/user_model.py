@@ -19,3 +19,13 @@ def workload():
 
 def not_a_workload():
   return 42
+
+
+def raises():
+  raise RuntimeError("no data here")
+
+
+def step_raises():
+  def step(params, batch):
+    return params["w"] * batch["labels"]
+  return step, ({"w": jnp.ones(3)}, {"x": jnp.ones(3)})
