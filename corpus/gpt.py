@@ -20,6 +20,7 @@ class GPTConfig:
   seq: int = 16
   batch: int = 8
   remat: bool = False     # recompute each block's activations in the backward pass
+  scan: bool = False      # layers as `hk.layer_stack` (lax.scan over stacked weights)
   lr: float = 1e-3
   seed: int = 0
 
@@ -45,10 +46,15 @@ def _forward(config: GPTConfig):
       embed = hk.Embed(config.vocab, config.d_model, name="embed", w_init=L.truncated())
       pos = hk.get_parameter("pos_embed", [config.seq, config.d_model], init=L.truncated())
       x = embed(tokens) + pos[: tokens.shape[1]]
-      for i in range(config.layers):
-        with hk.name_scope(f"layer_{i}"):
-          x = L.checkpointed(L.pre_ln_block, config.remat, heads=config.heads,
-                             hidden=config.ffn_mult * config.d_model, causal=True)(x)
+      block = lambda x: L.checkpointed(L.pre_ln_block, config.remat, heads=config.heads,
+                                       hidden=config.ffn_mult * config.d_model, causal=True)(x)
+      if config.scan:
+        with hk.name_scope("layers"):
+          x = hk.layer_stack(config.layers)(block)(x)
+      else:
+        for i in range(config.layers):
+          with hk.name_scope(f"layer_{i}"):
+            x = block(x)
       x = L.layer_norm("ln_f")(x)
       return x @ embed.embeddings.T
   return hk.without_apply_rng(hk.transform(forward))

@@ -5,7 +5,8 @@ inputs whose updated version is an output; parameters are the state the loss (th
 that are not state) is computed from; optimizer state is the rest of the state that the new
 parameters are computed from (moments, counts); what remains of the state is model state
 (batch-norm statistics). Inputs that are not state are data, unless their name says they are
-parameters or optimizer state (a function with no updated state, or frozen weights). The
+parameters or optimizer state (a function with no updated state, or frozen weights), and
+names decide for every input of a step that returns no loss. The
 forward pass is what the loss depends on; Megatron pairs are found by following a weight's
 output factor through the forward pass until another weight contracts it.
 """
@@ -66,7 +67,7 @@ def roles(program: Program) -> Roles:
   read_by_update = _ancestors(program, new_params)
   params, opt, data, model = [], [], [], []
   for vid, name in zip(program.inputs, program.input_names):
-    if vid in state:
+    if vid in state and loss:   # without a loss among the outputs, names decide
       if vid in read_by_loss:
         params.append(vid)
       elif vid in read_by_update:
@@ -284,6 +285,21 @@ def megatron_pairs(program: Program, axis_size: int) -> tuple[MegatronPair, ...]
           pairs.append(MegatronPair(w, dmap[fd], rows, tuple(chunks)))
           assigned.update(r[0] for r in rows)
   return tuple(pairs)
+
+
+@functools.lru_cache(maxsize=64)
+def matmul_weights(program: Program) -> tuple[int, ...]:
+  """Parameters (rank 2 and up) that a forward-pass matmul reads."""
+  params = frozenset(roles(program).params)
+  forward = forward_ops(program)
+  found = {}
+  for op in program.ops:
+    if op.name == "dot_general" and op.index in forward:
+      for v in op.inputs:
+        src = param_source(program, v, params)
+        if src is not None and program.values[src[0]].rank >= 2:
+          found[src[0]] = None
+  return tuple(found)
 
 
 _ELEMENTWISE = frozenset({"add", "sub", "mul", "convert_element_type", "copy"})

@@ -212,11 +212,20 @@ class Megatron(Tactic):
       for w, d in pair.rows:
         ctx.tile(w, d, self.axis)
     if fused:
+      names = sorted(set(fused))
       ctx.notes.append(
           f"fused projections split by heads after the split, kernel replicated over "
           f"{self.axis} (its rows hold each chunk's heads in turn, so no block of rows is one "
-          f"device's heads): {', '.join(sorted(set(fused))[:4])}" + (" ..." if len(set(fused)) > 4 else ""))
+          f"device's heads): {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
     ctx.propagate()
+    state, fused_kernels = ctx.state, {p.column for p in pairs if p.chunks}
+    left = [ctx.program.name(w) for w in R.matmul_weights(ctx.program)
+            if w not in fused_kernels and not any(self.axis in d for d in state.dims[w])]
+    if left:
+      ctx.notes.append(
+          f"matmul weights left whole over {self.axis} (no column/row pair whose heads or width "
+          f"divide by {m}: grouped k/v heads, an output head...): {', '.join(left[:5])}"
+          + (" ..." if len(left) > 5 else ""))
 
 
 @register

@@ -114,6 +114,8 @@ class ProgramWork:
     self.value_bytes = np.array([v.nbytes for v in program.values], np.float64)
     self.is_const = np.array([v.is_const for v in program.values], bool)
     self.work_value = np.array([_work_value(op, w) for op, w in zip(ops, self.work)], np.int64)
+    # A slice reads only what it writes (one layer of a stacked weight, not the stack).
+    self.read_scale = np.array([_read_scale(op, program) for op in ops], np.float64)
     edges = [(op.index, v) for op in ops for v in op.inputs if not self.internal[v]]
     self.read_op, self.read_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
         if edges else (np.zeros(0, np.int64),) * 2
@@ -162,6 +164,14 @@ def _run_order(program: Program) -> list[int]:
   return sorted(range(n), key=lambda i: (key[i], i))
 
 
+def _read_scale(op, program) -> float:
+  """The share of its operands' bytes an op reads: a slice reads its result's worth."""
+  if op.name in ("slice", "dynamic_slice") and op.inputs and op.outputs:
+    size = program.values[op.inputs[0]].size
+    return program.values[op.outputs[0]].size / size if size else 1.0
+  return 1.0
+
+
 def _work_value(op, w: OpWork) -> int:
   """The value whose local size divides the op's work when nothing is resharded (-1: none)."""
   if not w.flops:
@@ -193,7 +203,7 @@ def op_cost(op, op_plan, w: OpWork, table, work: ProgramWork, dims, count) -> tu
   internal, value_bytes = work.internal, work.value_bytes
   for vid, want in zip(op.inputs, op_plan.operand_dims):
     if not internal[vid]:
-      nbytes += value_bytes[vid] / _divisor(want, count)
+      nbytes += value_bytes[vid] / _divisor(want, count) * work.read_scale[op.index]
   for vid in op.outputs:
     if not internal[vid]:
       nbytes += value_bytes[vid] / _divisor(dims[vid], count)

@@ -194,12 +194,14 @@ class Simulator:
     n = len(program.ops)
     shard = np.where(work.work_value >= 0, divisors[work.work_value], 1.0)
     local = work.value_bytes / divisors
-    nbytes = (np.bincount(work.read_op, local[work.read_value], minlength=n) +
+    scale = work.read_scale
+    nbytes = (np.bincount(work.read_op, local[work.read_value] * scale[work.read_op],
+                          minlength=n) +
               np.bincount(work.write_op, local[work.write_value], minlength=n))
     v = a.copy_value[a.read_copy]
     nbytes += np.bincount(a.read_op, np.where(work.internal[v], 0.0, work.value_bytes[v] /
-                                              a.copy_pieces[a.read_copy] - local[v]),
-                          minlength=n)
+                                              a.copy_pieces[a.read_copy] - local[v]) *
+                          scale[a.read_op], minlength=n)
     plan_ops, tensor = plan.ops, work.work_tensor
     communicating = _ints(plan.communicating)
     for i in communicating[work.global_flops[communicating] > 0].tolist():

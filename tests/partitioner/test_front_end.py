@@ -15,7 +15,7 @@ from jax import lax
 import partitioner as P
 from partitioner import roles as R
 from partitioner.verify import verify
-from tests.partitioner import scanned_model
+from tests.partitioner import user_models
 
 
 class Config(NamedTuple):
@@ -158,7 +158,7 @@ def test_concatenate_of_a_sharded_dimension_under_partial_replication_lowers_exa
 
 @pytest.fixture(scope="module")
 def scanned():
-  fn, args = scanned_model.workload(layers=4)
+  fn, args = user_models.scanned_decoder(layers=4)
   return fn, args, P.trace(fn, *args)
 
 
@@ -187,3 +187,37 @@ def test_layer_dimension_tiled_by_hand_verifies_in_both_lowerings(scanned):
                "Tile(params/layers/**, 0, batch); Tile(opt_state/**/layers/**, 0, batch)")
   result = verify(pp, args)
   assert result.ok and result.errors["jit"] < 1e-5, result.errors
+
+
+def test_gpt_with_layer_stack_partitions_like_its_unrolled_twin():
+  import corpus
+  from partitioner.cost import simulate
+  workload = corpus.load("gpt:small,layers=4,scan=true")
+  program = P.trace(workload.fn, *workload.args)
+  assert "scan" not in program.primitives()   # unrolled when traced: 4 layers are short
+  assert any("__layer_stack" in n for n in program.input_names)
+  for name in ("dp+megatron", "zero3"):
+    pp = P.apply(program, "batch=2,model=4", corpus.experts("gpt")[name])
+    assert verify(pp, workload.args).ok, name
+  # At a realistic width the stacked and the unrolled model need the same memory.
+  twins = [P.trace(w.fn, *w.args) for w in (
+      corpus.load("gpt:mini,layers=4,scan=true", abstract=True),
+      corpus.load("gpt:mini,layers=4", abstract=True))]
+  for name in ("dp", "dp+megatron", "zero3"):
+    a, b = (simulate(P.apply(p, "batch=4,model=8", corpus.experts("gpt")[name]), "h100")
+            for p in twins)
+    assert a.memory.peak_bytes == pytest.approx(b.memory.peak_bytes, rel=0.02), name
+
+
+@pytest.mark.parametrize("mesh,kv_split", [("batch=4,model=2", True), ("batch=2,model=4", False)])
+def test_grouped_kv_heads_are_split_where_they_divide_and_reported_where_not(mesh, kv_split):
+  fn, args = user_models.grouped_query_attention(heads=4, kv_heads=2)
+  program = P.trace(fn, *args)
+  pp = P.apply(program, mesh, "BatchParallel(batch); Megatron(model)")
+  shardings = pp.summary()["shardings"]
+  assert shardings["params/wq"] == [None, "model"]
+  assert (shardings["params/wk"] == [None, "model"]) == kv_split
+  assert (shardings["params/wv"] == [None, "model"]) == kv_split
+  notes = [n for r in pp.reports for n in r.notes if "left whole" in n]
+  assert bool(notes and "params/wk, params/wv" in notes[0]) != kv_split
+  assert verify(pp, args).ok

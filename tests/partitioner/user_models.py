@@ -1,0 +1,71 @@
+"""Training steps written the way other code bases write them, for the front-end tests."""
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+
+def scanned_decoder(layers=4, d=64, heads=4, ffn=256, vocab=128, batch=8, seq=16):
+  """A decoder written the MaxText way: every layer weight stacked with a leading layer
+  dimension, the layers run by `lax.scan` over a dict of those stacks, Adam from optax."""
+  tx = optax.adam(1e-3)
+  keys = jax.random.split(jax.random.PRNGKey(0), 10)
+  normal = lambda k, shape: jax.random.normal(k, shape) * 0.05
+  params = {"embed": normal(keys[0], (vocab, d)),
+            "layers": {"wq": normal(keys[1], (layers, d, d)), "wk": normal(keys[2], (layers, d, d)),
+                       "wv": normal(keys[3], (layers, d, d)), "wo": normal(keys[4], (layers, d, d)),
+                       "w1": normal(keys[5], (layers, d, ffn)),
+                       "w2": normal(keys[6], (layers, ffn, d)), "ln": jnp.ones((layers, d))}}
+
+  def layer(x, w):
+    h = x * w["ln"]
+    split = lambda t: t.reshape(batch, seq, heads, d // heads)
+    q, k, v = split(h @ w["wq"]), split(h @ w["wk"]), split(h @ w["wv"])
+    probs = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k) / (d // heads) ** 0.5, axis=-1)
+    x = x + jnp.einsum("bhst,bthd->bshd", probs, v).reshape(batch, seq, d) @ w["wo"]
+    return x + jax.nn.gelu(x @ w["w1"]) @ w["w2"], None
+
+  def loss(p, b):
+    x, _ = lax.scan(layer, p["embed"][b["tokens"]], p["layers"])
+    logp = jax.nn.log_softmax(x @ p["embed"].T)
+    return -jnp.mean(jnp.take_along_axis(logp, b["targets"][..., None], -1))
+
+  def train_step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  data = {"tokens": jax.random.randint(keys[7], (batch, seq), 0, vocab),
+          "targets": jax.random.randint(keys[8], (batch, seq), 0, vocab)}
+  return train_step, (params, tx.init(params), data)
+
+
+def grouped_query_attention(batch=8, seq=16, d=64, heads=4, kv_heads=2, ffn=128):
+  """One attention block with fewer key/value heads than query heads (repeated to match)."""
+  hd = d // heads
+  keys = jax.random.split(jax.random.PRNGKey(0), 8)
+  normal = lambda k, shape: jax.random.normal(k, shape) * 0.05
+  params = {"wq": normal(keys[0], (d, d)), "wk": normal(keys[1], (d, kv_heads * hd)),
+            "wv": normal(keys[2], (d, kv_heads * hd)), "wo": normal(keys[3], (d, d)),
+            "w1": normal(keys[4], (d, ffn)), "w2": normal(keys[5], (ffn, d))}
+  tx = optax.adam(1e-3)
+
+  def loss(p, b):
+    x = b["x"]
+    q = (x @ p["wq"]).reshape(batch, seq, heads, hd)
+    k = jnp.repeat((x @ p["wk"]).reshape(batch, seq, kv_heads, hd), heads // kv_heads, axis=2)
+    v = jnp.repeat((x @ p["wv"]).reshape(batch, seq, kv_heads, hd), heads // kv_heads, axis=2)
+    probs = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k), -1)
+    y = x + jnp.einsum("bhst,bthd->bshd", probs, v).reshape(batch, seq, d) @ p["wo"]
+    y = y + jax.nn.gelu(y @ p["w1"]) @ p["w2"]
+    return jnp.mean((y - b["y"]) ** 2)
+
+  def train_step(params, opt_state, batch_):
+    value, grads = jax.value_and_grad(loss)(params, batch_)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  data = {"x": jax.random.normal(keys[6], (batch, seq, d)),
+          "y": jax.random.normal(keys[7], (batch, seq, d))}
+  return train_step, (params, tx.init(params), data)
