@@ -39,6 +39,7 @@ bench: install
 	$(PY) benchmarks/bench_cost_model.py
 	$(PY) benchmarks/bench_environment.py
 	$(PY) benchmarks/bench_actor.py
+	$(PY) benchmarks/real_models.py
 	@if [ -f runs/demo/checkpoint.pkl ]; then $(PY) benchmarks/bench_policy.py --policy runs/demo; \
 	else echo "bench_policy: no trained policy in runs/demo (run 'make demo' first)"; fi
 

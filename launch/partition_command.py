@@ -175,6 +175,13 @@ def _print(args, pp, result, verification, xla, cost) -> None:
   p = pp.program
   out.print(f"[bold]{args.model}[/bold]: {p.num_ops} ops, {len(p.inputs)} inputs; "
             f"mesh {pp.mesh} ({pp.mesh.device_count} devices)")
+  if p.loops:
+    unrolled = [l for l in p.loops if l["unrolled"]]
+    kept = len(p.loops) - len(unrolled)
+    out.print(f"loops: {len(unrolled)} scan(s) unrolled when traced"
+              + (f" ({', '.join(sorted({str(l['length']) + ' steps' for l in unrolled}))})"
+                 if unrolled else "")
+              + (f", {kept} kept as loops (run replicated)" if kept else ""))
   out.print(f"strategy: {pp.strategy}")
   for r in pp.reports:
     out.print(f"  {r.tactic}: {len(r.targets)} values tiled, {r.visits} op visits"

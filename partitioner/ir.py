@@ -117,6 +117,7 @@ class Program:
     self.arg_names = tuple(arg_names)
     self.aliases = dict(aliases)  # output position -> input position (the updated state).
     self.static = dict(static or {})  # argument leaf position -> a constant of the trace
+    self.loops: tuple[dict, ...] = ()  # the scans tracing met, unrolled or kept (`trace`)
     self._input_pos = {v: i for i, v in enumerate(self.inputs)}
     self._output_pos: dict[int, int] = {}
     for i, v in enumerate(self.outputs):

@@ -123,6 +123,7 @@ class PartitionedProgram:
                          **({"reduce": c.reduce} if c.kind == "all-reduce" else {})}
                         for c in self.collectives],
         "collective_summary": summarize(self.collectives),
+        "loops": list(p.loops),
         "fallbacks": [{"op": i, "primitive": p.ops[i].name, "reason": r}
                       for i, r in self.fallbacks.items()],
         "conflicts": [c._asdict() for c in self.conflicts],

@@ -82,6 +82,7 @@ class _Builder:
     self.values: list[Value] = []
     self.ops: list[Op] = []
     self.effectful: set[int] = set()
+    self.loops: list[dict] = []   # every scan met: its length, body size and what was done
 
   def eliminate_dead_code(self, outputs: Sequence[int]) -> None:
     """Drops ops whose results nothing uses (the primal of a `jax.grad`, say); ops with
@@ -135,8 +136,13 @@ class _Builder:
           if key in eqn.params:
             body = eqn.params[key]
             break
-      if body is None and name == "scan" and _unrollable(eqn):
-        body = _unrolled_scan(eqn)
+      if name == "scan":
+        body_eqns = _count_eqns(eqn.params["jaxpr"].jaxpr)
+        unroll = eqn.params["length"] * body_eqns <= UNROLL_LIMIT
+        self.loops.append({"length": int(eqn.params["length"]), "body_eqns": body_eqns,
+                           "unrolled": unroll})
+        if unroll:
+          body = _unrolled_scan(eqn)
       if body is not None:
         if isinstance(body, core.ClosedJaxpr):
           outs = self.emit(body.jaxpr, body.consts, ins)
@@ -168,10 +174,6 @@ def _count_eqns(jaxpr: core.Jaxpr) -> int:
       n += sum(_count_eqns(j.jaxpr if isinstance(j, core.ClosedJaxpr) else j)
                for j in eqn.params.values() if isinstance(j, (core.Jaxpr, core.ClosedJaxpr)))
   return n
-
-
-def _unrollable(eqn) -> bool:
-  return eqn.params["length"] * _count_eqns(eqn.params["jaxpr"].jaxpr) <= UNROLL_LIMIT
 
 
 def _unrolled_scan(eqn) -> core.ClosedJaxpr:
@@ -281,5 +283,7 @@ def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None) -> Progra
   out_paths, out_tree = tree_util.tree_flatten_with_path(out_shape)
   output_names = [("out/" + path_name(p)) if p else "out" for p, _ in out_paths]
   aliases = _find_aliases(args, out_shape, dynamic)
-  return Program(builder.values, builder.ops, inputs, input_names, outputs, output_names,
-                 in_tree, out_tree, names, aliases, static)
+  program = Program(builder.values, builder.ops, inputs, input_names, outputs, output_names,
+                    in_tree, out_tree, names, aliases, static)
+  program.loops = tuple(builder.loops)
+  return program

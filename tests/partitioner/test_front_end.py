@@ -195,6 +195,7 @@ def test_gpt_with_layer_stack_partitions_like_its_unrolled_twin():
   workload = corpus.load("gpt:small,layers=4,scan=true")
   program = P.trace(workload.fn, *workload.args)
   assert "scan" not in program.primitives()   # unrolled when traced: 4 layers are short
+  assert [(l["length"], l["unrolled"]) for l in program.loops] == [(4, True), (4, True)]
   assert any("__layer_stack" in n for n in program.input_names)
   for name in ("dp+megatron", "zero3"):
     pp = P.apply(program, "batch=2,model=4", corpus.experts("gpt")[name])
