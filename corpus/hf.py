@@ -86,6 +86,15 @@ def _cross_entropy(logits, labels):
   return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
 
 
+def _loss(model, inputs: str, labels: str, **keyword_inputs: str):
+  """Cross-entropy of the model's logits on `batch[inputs]` (and keyword arguments taken from
+  the batch) against `batch[labels]`."""
+  def loss(params, batch):
+    kwargs = {k: batch[v] for k, v in keyword_inputs.items()}
+    return _cross_entropy(model(batch[inputs], params=params, **kwargs).logits, batch[labels])
+  return loss
+
+
 def _tokens(key, shape, vocab):
   return jax.random.randint(key, shape, 0, vocab, jnp.int32)
 
@@ -115,15 +124,11 @@ def _bert(c: HFConfig, dtype):
                    attention_probs_dropout_prob=0.0)
   model = FlaxBertForMaskedLM(cfg, dtype=dtype, _do_init=False)
 
-  def loss(params, batch):
-    logits = model(batch["tokens"], params=params).logits
-    return _cross_entropy(logits, batch["labels"])
-
   def batch(key):
     k1, k2 = jax.random.split(key)
     return {"tokens": _tokens(k1, (c.batch, c.seq), c.vocab),
             "labels": _tokens(k2, (c.batch, c.seq), c.vocab)}
-  return model, (1, c.seq), loss, batch
+  return model, (1, c.seq), _loss(model, "tokens", "labels"), batch
 
 
 def _t5(c: HFConfig, dtype):
@@ -132,11 +137,7 @@ def _t5(c: HFConfig, dtype):
                  num_layers=c.layers, num_decoder_layers=c.layers, num_heads=c.heads,
                  dropout_rate=0.0)
   model = FlaxT5ForConditionalGeneration(cfg, dtype=dtype, _do_init=False)
-
-  def loss(params, batch):
-    logits = model(batch["inputs"], decoder_input_ids=batch["decoder_inputs"],
-                   params=params).logits
-    return _cross_entropy(logits, batch["targets"])
+  loss = _loss(model, "inputs", "targets", decoder_input_ids="decoder_inputs")
 
   def batch(key):
     k1, k2, k3 = jax.random.split(key, 3)
@@ -157,16 +158,12 @@ def _vit(c: HFConfig, dtype):
                   attention_probs_dropout_prob=0.0)
   model = FlaxViTForImageClassification(cfg, dtype=dtype, _do_init=False)
 
-  def loss(params, batch):
-    logits = model(batch["images"], params=params).logits
-    return _cross_entropy(logits, batch["labels"])
-
   def batch(key):
     k1, k2 = jax.random.split(key)
     # The model's __call__ takes NCHW pixels (its init_weights NHWC).
     return {"images": jax.random.normal(k1, (c.batch, 3, c.image, c.image), dtype),
             "labels": jax.random.randint(k2, (c.batch,), 0, c.classes, jnp.int32)}
-  return model, (1, c.image, c.image, 3), loss, batch
+  return model, (1, c.image, c.image, 3), _loss(model, "images", "labels"), batch
 
 
 def _make(build: Callable, config: HFConfig):

@@ -182,10 +182,23 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
       (dims := state.dims[op.outputs[0]])[op.params["dimension"]]
       and {a for d in dims for a in d} != mesh_axes)}
 
+  # A slice whose result is sharded on a dimension its operand has whole: constrained first
+  # like its operand, so that XLA cuts each device's piece locally (as the plan does) instead
+  # of resharding the operand and exchanging halos with collective-permutes.
+  local_slices = {}
+  for op in program.ops:
+    if op.name == "slice":
+      src, out = state.dims[op.inputs[0]], state.dims[op.outputs[0]]
+      if any(o and not i for i, o in zip(src, out)):
+        local_slices[op.index] = named(op.inputs[0])
+
   def bind_op(op, args):
     if op.index in padded_concats:
       return [concatenate_by_padding(args, op.params["dimension"])]
-    return bind(op, args, op.params)
+    outs = bind(op, args, op.params)
+    if op.index in local_slices:
+      outs = [lax.with_sharding_constraint(outs[0], local_slices[op.index])]
+    return outs
 
   def constrained_flat(*inputs):
     return tuple(program.evaluate(*inputs, on_result=constrain, bind_op=bind_op))
