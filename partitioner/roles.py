@@ -85,13 +85,21 @@ def roles(program: Program) -> Roles:
   return Roles(tuple(params), tuple(opt), tuple(data), tuple(model))
 
 
+def batch_dim(program: Program, vid: int) -> int:
+  """The dimension that carries the batch in a data input: the leading one, or the next when
+  the leading one is a loop's (micro-batches stacked for a `lax.scan`)."""
+  return 1 if stacked_dims(program).get(vid) == 0 and program.values[vid].rank > 1 else 0
+
+
 def batch_inputs(program: Program, candidates) -> tuple[list[int], list[int]]:
-  """The data inputs that carry the batch: the most common leading size (ties: the largest)."""
-  sizes = collections.Counter(program.values[v].shape[0] for v in candidates)
+  """The data inputs that carry the batch: the most common size of their batch dimension
+  (`batch_dim`; ties: the largest)."""
+  size_of = {v: program.values[v].shape[batch_dim(program, v)] for v in candidates}
+  sizes = collections.Counter(size_of.values())
   if not sizes:
     return [], []
   size = max(sizes, key=lambda s: (sizes[s], s))
-  picked = [v for v in candidates if program.values[v].shape[0] == size]
+  picked = [v for v in candidates if size_of[v] == size]
   return picked, [v for v in candidates if v not in picked]
 
 
@@ -195,14 +203,15 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
 
 @functools.lru_cache(maxsize=64)
 def stacked_dims(program: Program) -> dict[int, int]:
-  """State inputs stacked over layers (`hk.layer_stack`, `nn.scan`, `lax.scan` over a dict of
-  weights) -> their layer dimension: every forward-pass read takes one slice along it (a scan
-  unrolled when traced), or it is a scanned-over operand of a `scan`. Optimizer state has the
-  layer dimension of its parameter. Tactics meant for the batch or the model never tile it."""
+  """Inputs stacked over a loop -> their loop dimension: layers (`hk.layer_stack`, `nn.scan`,
+  `lax.scan` over a dict of weights) or micro-batches. Every forward-pass read takes one slice
+  along it (a scan unrolled when traced), or it is a scanned-over operand of a `scan`.
+  Optimizer state has the layer dimension of its parameter. Tactics meant for the batch or the
+  model never tile it."""
   forward = forward_ops(program)
   r = roles(program)
   found: dict[int, int] = {}
-  for vid in r.params + r.model_state:
+  for vid in r.params + r.model_state + r.data:
     value, dims = program.values[vid], None
     for u in program.users[vid]:
       if u not in forward:

@@ -163,7 +163,7 @@ class BatchParallel(Tactic):
   """
   axis: str
   inputs: str = ""
-  dim: int = 0
+  dim: int | None = None    # default: each input's batch dimension (`roles.batch_dim`)
   name: ClassVar[str] = "BatchParallel"
 
   def apply(self, ctx):
@@ -176,9 +176,9 @@ class BatchParallel(Tactic):
         raise PatternError("BatchParallel found no data input (an argument other than params and "
                            "optimizer state); name one with inputs=PATTERN")
     for vid in picked:
-      ctx.tile(vid, self.dim, self.axis)
+      ctx.tile(vid, R.batch_dim(ctx.program, vid) if self.dim is None else self.dim, self.axis)
     for vid in rest:
-      ctx.notes.append(f"left {ctx.program.name(vid)} unsplit: its leading size differs")
+      ctx.notes.append(f"left {ctx.program.name(vid)} unsplit: its batch size differs")
     ctx.propagate()
 
 
@@ -333,8 +333,9 @@ class ZeRO(Tactic):
     batch, _ = R.batch_inputs(program, roles.data)
     if batch and not any(self.axis in d for v in batch for d in state.dims[v]):
       for vid in batch:
-        if program.values[vid].shape[0] % (m * _count(state, vid, 0)) == 0:
-          ctx.tile(vid, 0, self.axis)
+        d = R.batch_dim(program, vid)
+        if program.values[vid].shape[d] % (m * _count(state, vid, d)) == 0:
+          ctx.tile(vid, d, self.axis)
       ctx.propagate()
 
     layer_dim = R.stacked_dims(program)

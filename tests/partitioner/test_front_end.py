@@ -222,3 +222,15 @@ def test_grouped_kv_heads_are_split_where_they_divide_and_reported_where_not(mes
   notes = [n for r in pp.reports for n in r.notes if "left whole" in n]
   assert bool(notes and "params/wk, params/wv" in notes[0]) != kv_split
   assert verify(pp, args).ok
+
+
+def test_stacked_micro_batches_are_split_along_the_batch_not_the_loop():
+  fn, args = user_models.microbatched_mlp(accum=4, batch=16)
+  program = P.trace(fn, *args)
+  assert R.batch_dim(program, program.value("micro/x").id) == 1
+  for schedule in ("BatchParallel(batch)", "ZeRO(batch, stage=3)"):
+    pp = P.apply(program, "batch=8", schedule)
+    assert pp.summary()["shardings"]["micro/x"] == [None, "batch"], schedule
+    assert verify(pp, args).ok, schedule
+  explicit = P.apply(program, "batch=4", "BatchParallel(batch, dim=0)")
+  assert explicit.summary()["shardings"]["micro/x"] == ["batch"]

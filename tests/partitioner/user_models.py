@@ -69,3 +69,28 @@ def grouped_query_attention(batch=8, seq=16, d=64, heads=4, kv_heads=2, ffn=128)
   data = {"x": jax.random.normal(keys[6], (batch, seq, d)),
           "y": jax.random.normal(keys[7], (batch, seq, d))}
   return train_step, (params, tx.init(params), data)
+
+
+def microbatched_mlp(accum=4, batch=16, d=32, hidden=64):
+  """Gradient accumulation: micro-batches stacked on a leading dimension, their gradients
+  summed by `lax.scan`, one Adam update."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  params = {"w1": jax.random.normal(keys[0], (d, hidden)) * 0.1,
+            "w2": jax.random.normal(keys[1], (hidden, d)) * 0.1}
+  tx = optax.adam(1e-3)
+
+  def loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+  def train_step(params, opt_state, micro):
+    def accumulate(total, xy):
+      value, grads = jax.value_and_grad(loss)(params, *xy)
+      return jax.tree_util.tree_map(jnp.add, total, (value, grads)), None
+    zero = (jnp.zeros(()), jax.tree_util.tree_map(jnp.zeros_like, params))
+    (value, grads), _ = lax.scan(accumulate, zero, (micro["x"], micro["y"]))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value / accum
+
+  data = {"x": jax.random.normal(keys[2], (accum, batch, d)),
+          "y": jax.random.normal(keys[3], (accum, batch, d))}
+  return train_step, (params, tx.init(params), data)
