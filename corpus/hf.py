@@ -6,7 +6,9 @@ These programs are not in the corpus' house style: Flax parameter trees (`kernel
 patch convolution. Each family's `style` knob spells the same step three ways:
 `named` (`train_step(params, opt_state, batch)`), `short` (`step(p, o, t)`) and `train_state`
 (`train_step(state, batch)` with a Flax `TrainState` whose step count is a Python int and whose
-`apply_fn`/`tx` are static fields). `dtype=bfloat16` keeps parameters and activations in bf16.
+`apply_fn`/`tx` are static fields). `dtype=bfloat16` keeps parameters and activations in bf16;
+with `param_dtype=float32` too, the parameters and optimizer state stay f32 (master weights)
+and the models compute in bf16.
 
 Presets: `small` (tiny, for tests) and the published sizes: hf_gpt2 `124m`/`355m`, hf_bert
 `base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base), hf_vit `base`.
@@ -41,7 +43,8 @@ class HFConfig:
   patch: int = 8           # ViT: patch side
   classes: int = 10        # ViT: labels
   style: str = "named"
-  dtype: str = "float32"
+  dtype: str = "float32"       # activations (the models' computation dtype)
+  param_dtype: str = ""        # parameters and optimizer state; "" = dtype (float32: master weights)
   lr: float = 1e-3
   seed: int = 0
 
@@ -75,8 +78,10 @@ VIT_PRESETS = _presets(
 def _check(config: HFConfig) -> None:
   if config.style not in STYLES:
     raise WorkloadError(f"style must be one of {', '.join(STYLES)}, got {config.style!r}")
-  if config.dtype not in ("float32", "bfloat16"):
-    raise WorkloadError(f"dtype must be float32 or bfloat16, got {config.dtype!r}")
+  for knob in ("dtype", "param_dtype"):
+    value = getattr(config, knob)
+    if value not in ("float32", "bfloat16") and (knob == "dtype" or value):
+      raise WorkloadError(f"{knob} must be float32 or bfloat16, got {value!r}")
   if config.d_model % config.heads:
     raise WorkloadError(f"d_model {config.d_model} does not divide into {config.heads} heads")
 
@@ -169,13 +174,14 @@ def _vit(c: HFConfig, dtype):
 def _make(build: Callable, config: HFConfig):
   """(train_step, init) for one model in the config's style; init(key) -> the arguments."""
   _check(config)
-  dtype = jnp.bfloat16 if config.dtype == "bfloat16" else jnp.float32
+  dtype = jnp.dtype(config.dtype)
+  param_dtype = jnp.dtype(config.param_dtype or config.dtype)
   model, input_shape, loss, make_batch = build(config, dtype)
   tx = optax.adamw(config.lr, weight_decay=0.01)
 
   def init_params(key):
     params = model.init_weights(key, input_shape)
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype), params)
+    return jax.tree_util.tree_map(lambda x: x.astype(param_dtype), params)
 
   if config.style == "train_state":
     from flax.training import train_state

@@ -52,8 +52,8 @@ def max_error(expected, actual) -> tuple[float, int]:
 
 
 def tolerance(dtype, rtol: float, atol: float) -> tuple[float, float]:
-  """The tolerance for outputs of `dtype`: as given for float32 and wider, scaled by the
-  machine epsilon for narrower floats (bf16's is 2**-7, float32's 2**-23)."""
+  """The tolerance for floats computed in `dtype`: as given for float32 and wider, scaled by
+  the machine epsilon for narrower floats (bf16's is 2**-7, float32's 2**-23)."""
   dtype = np.dtype(dtype)
   if dtype.itemsize >= 4 or not jax.numpy.issubdtype(dtype, jax.numpy.floating):
     return rtol, atol
@@ -61,14 +61,22 @@ def tolerance(dtype, rtol: float, atol: float) -> tuple[float, float]:
   return rtol * scale, atol * scale
 
 
-def _close(expected, actual, rtol, atol) -> bool:
+def compute_dtype(program):
+  """The narrowest float dtype the program computes in: an f32 output of a bf16 computation
+  (mixed precision with f32 master weights) carries bf16's rounding."""
+  floats = [v.dtype for v in program.values
+            if jax.numpy.issubdtype(v.dtype, jax.numpy.floating)]
+  return min(floats, key=lambda d: d.itemsize, default=np.dtype(np.float32))
+
+
+def _close(expected, actual, rtol, atol, floor=np.float32) -> bool:
   for a, b in zip(expected, actual):
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
       if not np.array_equal(a, b):
         return False
       continue
-    r, t = tolerance(a.dtype, rtol, atol)
+    r, t = tolerance(min(a.dtype, np.dtype(floor), key=lambda d: d.itemsize), rtol, atol)
     if not np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=r, atol=t,
                        equal_nan=True):
       return False
@@ -92,7 +100,7 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
   for name, actual in results.items():
     err, where = max_error(expected, actual)
     errors[name] = err
-    ok = ok and _close(expected, actual, rtol, atol)
+    ok = ok and _close(expected, actual, rtol, atol, compute_dtype(program))
     if err > worst_err or err != err:
       worst_err, worst = err, program.output_names[where] if where >= 0 else ""
   return Verification(ok, max(errors.values()), errors, worst, rtol, atol)

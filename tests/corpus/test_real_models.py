@@ -103,3 +103,15 @@ def test_train_state_spelling_costs_the_same_as_named_arguments(programs):
   a, b = simulate(pp, "h100"), simulate(P.apply(named, MESH, schedule), "h100")
   assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-6)
   assert a.memory.breakdown["optimizer_state"] == b.memory.breakdown["optimizer_state"]
+
+
+def test_bf16_compute_with_f32_master_weights(programs):
+  workload, program = programs("hf_gpt2:small,dtype=bfloat16,param_dtype=float32")
+  _, f32 = programs("hf_gpt2:small")
+  assert {program.values[v].dtype for v in program.inputs[:4]} == {np.dtype(np.float32)}
+  schedule = "BatchParallel(batch); Megatron(model)"
+  pp = P.apply(program, MESH, schedule)
+  assert verify(pp, workload.args).ok   # f32 outputs of a bf16 computation: bf16's tolerance
+  mixed, full = simulate(pp, "h100"), simulate(P.apply(f32, MESH, schedule), "h100")
+  assert mixed.memory.breakdown["parameters"] == full.memory.breakdown["parameters"]
+  assert mixed.compute_s < full.compute_s
