@@ -119,7 +119,8 @@ class ProgramWork:
     edges = [(op.index, v) for op in ops for v in op.inputs if not self.internal[v]]
     self.read_op, self.read_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
         if edges else (np.zeros(0, np.int64),) * 2
-    edges = [(op.index, v) for op in ops for v in op.outputs if not self.internal[v]]
+    edges = [(op.index, v) for op in ops for v in op.outputs
+             if not self.internal[v] and self.read_scale[op.index]]
     self.write_op, self.write_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
         if edges else (np.zeros(0, np.int64),) * 2
 
@@ -165,7 +166,13 @@ def _run_order(program: Program) -> list[int]:
 
 
 def _read_scale(op, program) -> float:
-  """The share of its operands' bytes an op reads: a slice reads its result's worth."""
+  """The share of its operands' bytes an op reads: a slice reads its result's worth; a
+  squeeze, or a broadcast that only adds unit dimensions, is a bitcast in XLA and moves
+  nothing (0: neither read nor written)."""
+  if op.name == "squeeze" or (op.name == "broadcast_in_dim" and op.inputs and
+                              program.values[op.inputs[0]].size ==
+                              program.values[op.outputs[0]].size):
+    return 0.0
   if op.name in ("slice", "dynamic_slice") and op.inputs and op.outputs:
     size = program.values[op.inputs[0]].size
     return program.values[op.outputs[0]].size / size if size else 1.0
@@ -205,7 +212,7 @@ def op_cost(op, op_plan, w: OpWork, table, work: ProgramWork, dims, count) -> tu
     if not internal[vid]:
       nbytes += value_bytes[vid] / _divisor(want, count) * work.read_scale[op.index]
   for vid in op.outputs:
-    if not internal[vid]:
+    if not internal[vid] and work.read_scale[op.index]:
       nbytes += value_bytes[vid] / _divisor(dims[vid], count)
   return flops, nbytes
 
