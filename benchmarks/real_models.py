@@ -145,19 +145,18 @@ def write_markdown(rows, collectives, mesh, hardware, path: Path) -> None:
                  f"{mib(c['plan_bytes'])} | {c['xla_count']} | {mib(c['xla_bytes'])} |")
   lines += [
       "",
-      "Where they differ (read from the HLO's `op_name` metadata when this was written, jaxlib "
-      "0.4.34 on CPU):",
+      "What the jit lowering does so that XLA follows the plan (each found in the HLO's "
+      "`op_name` metadata, jaxlib 0.4.34 on CPU; the counts are from before each fix):",
       "",
-      "- The extra model-axis all-reduce (about 1.5 GiB) is the gradient of the cross-entropy's "
-      "`take_along_axis`: a scatter-add into a zero tensor of the logits' size, which is "
-      "replicated over the model axis. XLA splits the scatter's updates over that axis anyway "
-      "and then sums the partial, logits-sized results. The plan scatters locally.",
-      "- Left to itself, XLA reaches the head chunks of the fused q/k/v projection by "
-      "splitting the projection's output columns contiguously over the model axis and moving "
-      "the pieces with collective-permutes (86 of them, 720 MiB per device, measured before "
-      "the fix). The plan computes the projection replicated and slices each device's heads "
-      "locally; the jit lowering now constrains such slices like their operand first, and XLA "
-      "follows the plan.",
+      "- Gathers and scatters run as one-op `shard_map` islands. Left to itself, XLA split "
+      "the scatter-add of the cross-entropy's `take_along_axis` gradient (into a zero tensor "
+      "of the logits' size, replicated over the model axis) over the model axis too, and summed "
+      "the partial logits-sized results: one extra all-reduce of 1.5 GiB per step.",
+      "- A slice that shards a dimension its operand holds whole is constrained like its "
+      "operand first. Left to itself, XLA reached the head chunks of the fused q/k/v "
+      "projection by splitting the projection's output columns over the model axis and "
+      "moving pieces with collective-permutes (86 of them, 720 MiB per device).",
+  ]
   ]
   path.write_text("\n".join(lines) + "\n")
 

@@ -5,7 +5,8 @@ pieces and issues exactly the collectives of the plan (psum, psum_scatter, all_g
 all_to_all). It proves the rewriting semantics.
 
 `to_jax_shardings` / `jit_partitioned`: `NamedSharding`s for inputs and outputs and a
-`with_sharding_constraint` on every intermediate, for XLA's own SPMD partitioner under `jax.jit`.
+`with_sharding_constraint` on every intermediate, for XLA's own SPMD partitioner under `jax.jit`;
+gathers and scatters run as one-op `shard_map` islands (`ISLANDS`), as the plan runs them.
 """
 
 from __future__ import annotations
@@ -192,9 +193,13 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
       if any(o and not i for i, o in zip(src, out)):
         local_slices[op.index] = named(op.inputs[0])
 
+  islands = {op.index: _island(pp, op, mesh) for op in program.ops if op.name in ISLANDS}
+
   def bind_op(op, args):
     if op.index in padded_concats:
       return [concatenate_by_padding(args, op.params["dimension"])]
+    if op.index in islands:
+      return list(islands[op.index](*args))
     outs = bind(op, args, op.params)
     if op.index in local_slices:
       outs = [lax.with_sharding_constraint(outs[0], local_slices[op.index])]
@@ -209,6 +214,33 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
 
   return JaxShardings(mesh, tuple(in_shardings), out_shardings, constrained, flat_in, flat_out,
                       constrained_flat)
+
+
+# Ops the jit lowering runs as they run in the plan, under a one-op `shard_map`. Indexing is
+# where XLA's own choices part from the plan: it partitions a scatter into a batch-sharded
+# operand by also splitting the updates over the axes that replicate it and summing whole
+# results (for GPT-2's cross-entropy gradient a logits-sized all-reduce, 1.5 GiB per step),
+# and moves gathered rows with collective-permutes, where the plan indexes locally.
+ISLANDS = frozenset({"scatter-add", "scatter", "gather"})
+
+
+def _island(pp, op, mesh) -> Callable:
+  """One op as the plan runs it: local operands in the plan's layouts, the local rule, the
+  result's collectives."""
+  program, op_plan, sizes = pp.program, pp.plan.ops[op.index], pp.mesh.sizes
+  factors = pp.state.table[op.index].factors
+  rule = LOCAL_RULES.get(op.name)
+
+  def local(*args):
+    if rule is not None:
+      outs = rule(op, LocalContext(op, program, sizes, op_plan, factors), list(args))
+    else:
+      outs = bind(op, list(args), op.params)
+    return tuple(run_steps(x, steps, sizes) for x, steps in zip(outs, op_plan.result_steps))
+
+  in_specs = tuple(Sharding(d).spec() for d in op_plan.operand_dims)
+  out_specs = tuple(Sharding(pp.state.dims[v]).spec() for v in op.outputs)
+  return shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
 def concatenate_by_padding(args, dimension: int):
