@@ -157,7 +157,6 @@ def write_markdown(rows, collectives, mesh, hardware, path: Path) -> None:
       "projection by splitting the projection's output columns over the model axis and "
       "moving pieces with collective-permutes (86 of them, 720 MiB per device).",
   ]
-  ]
   path.write_text("\n".join(lines) + "\n")
 
 
