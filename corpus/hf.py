@@ -44,7 +44,7 @@ class HFConfig:
   classes: int = 10        # ViT: labels
   style: str = "named"
   dtype: str = "float32"       # activations (the models' computation dtype)
-  param_dtype: str = ""        # parameters and optimizer state; "" = dtype (float32: master weights)
+  param_dtype: str = ""        # parameters and optimizer state ("": dtype; float32: master)
   lr: float = 1e-3
   seed: int = 0
 

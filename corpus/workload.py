@@ -33,7 +33,8 @@ def abstractify(tree):
 
 
 def parameter_count(params) -> int:
-  return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params) if hasattr(x, "shape")))
+  leaves = jax.tree_util.tree_leaves(params)
+  return int(sum(np.prod(x.shape) for x in leaves if hasattr(x, "shape")))
 
 
 def from_object(name: str, obj: Any) -> Workload:

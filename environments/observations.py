@@ -118,12 +118,13 @@ def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
   batched = sum(1 for op in ops if op.name == "dot_general"
                 and op.params["dimension_numbers"][1][0])  # attention-like: batch dims
   nbytes = lambda ids: sum(values[v].nbytes for v in ids)
+  weights = nbytes(roles.params + roles.model_state)
   return np.array([
       matmul.sum() / n, conv.sum() / n, is_kind("vector").sum() / n, is_kind("memory").sum() / n,
       flops[matmul].sum() / total, flops[conv].sum() / total,
       sum(op.name in REDUCTIONS for op in ops) / n, batched / max(matmul.sum(), 1),
-      _log(len(ops), 16), _log(nbytes(roles.params + roles.model_state), 40), _log(nbytes(roles.data), 40),
-      _log(total, 60), _log(total / max(nbytes(roles.params + roles.model_state), 1), 20)], np.float32)
+      _log(len(ops), 16), _log(weights, 40), _log(nbytes(roles.data), 40),
+      _log(total, 60), _log(total / max(weights, 1), 20)], np.float32)
 
 
 class StaticGraph:
