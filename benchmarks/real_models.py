@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import corpus  # noqa: E402
 import partitioner as P  # noqa: E402
 from partitioner.cost import simulate  # noqa: E402
-from partitioner.hlo import hlo_collectives  # noqa: E402
+from partitioner.hlo import hlo_collectives, memory_footprint  # noqa: E402
 from partitioner.verify import verify  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +43,6 @@ MEMORY_SIZE = {"hf_gpt2": "small,batch=32,seq=128,d_model=256,ffn=1024",
                "hf_vit": "small,batch=32,image=64,d_model=256,ffn=1024"}
 STRATEGIES = ("dp", "zero3", "megatron", "dp+megatron", "dp+megatron+zero1")
 SMALL_MESH = "batch=2,model=4"
-
-
-def footprint(analysis) -> int:
-  return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-          analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
 
 
 def log(text: str) -> None:
@@ -70,7 +65,7 @@ def model_rows(family: str, mesh: str, hardware: str) -> list[dict]:
     pp = P.apply(mem_program, SMALL_MESH, schedule)
     predicted = simulate(pp, "cpu", donate=False).memory.peak_bytes
     compiled = pp.jit(pp.mesh.to_jax()).lower(*mem.args).compile()
-    xla = footprint(compiled.memory_analysis())
+    xla = memory_footprint(compiled.memory_analysis())
     rows.append({"family": family, "strategy": name, "schedule": schedule,
                  "verified": check.ok, "max_abs_err": check.max_abs_err,
                  "published": f"{family}:{PUBLISHED[family]}",

@@ -31,7 +31,7 @@ from scipy import stats  # noqa: E402
 import corpus  # noqa: E402
 import partitioner as P  # noqa: E402
 from partitioner.cost import simulate  # noqa: E402
-from partitioner.hlo import hlo_collectives  # noqa: E402
+from partitioner.hlo import hlo_collectives, memory_footprint  # noqa: E402
 
 CHECKED = {  # the strategies of the partitioner's tests, on 8 devices
     "batch parallel 8": ("batch=8", "BatchParallel(batch)"),
@@ -66,11 +66,6 @@ def by_kind(collectives, constant_aware=False):
   return out
 
 
-def footprint(analysis) -> int:
-  return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
-          analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-
-
 def check(model):
   workload = corpus.load(model)
   program = P.trace(workload.fn, *workload.args)
@@ -89,8 +84,8 @@ def check(model):
         "argument_bytes": cost.memory.argument_bytes,
         "xla_argument_bytes": jitted.memory_analysis().argument_size_in_bytes,
         "peak_bytes": cost.memory.peak_bytes,
-        "xla_jit_footprint": footprint(jitted.memory_analysis()),
-        "xla_shard_map_footprint": footprint(spmd.memory_analysis()),
+        "xla_jit_footprint": memory_footprint(jitted.memory_analysis()),
+        "xla_shard_map_footprint": memory_footprint(spmd.memory_analysis()),
     })
     print(f"checked {model} / {name}", flush=True)
   return rows

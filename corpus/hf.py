@@ -10,8 +10,9 @@ patch convolution. Each family's `style` knob spells the same step three ways:
 with `param_dtype=float32` too, the parameters and optimizer state stay f32 (master weights)
 and the models compute in bf16.
 
-Presets: `small` (tiny, for tests) and the published sizes: hf_gpt2 `124m`/`355m`, hf_bert
-`base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base), hf_vit `base`.
+Presets: `small` (tiny, for tests), `mini` (two layers at published widths) and the published
+sizes: hf_gpt2 `124m`/`355m`, hf_bert `base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base),
+hf_vit `base`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import optax
 from partitioner.errors import WorkloadError
 
 STYLES = ("named", "short", "train_state")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +80,9 @@ VIT_PRESETS = _presets(
 def _check(config: HFConfig) -> None:
   if config.style not in STYLES:
     raise WorkloadError(f"style must be one of {', '.join(STYLES)}, got {config.style!r}")
-  for knob in ("dtype", "param_dtype"):
-    value = getattr(config, knob)
-    if value not in ("float32", "bfloat16") and (knob == "dtype" or value):
-      raise WorkloadError(f"{knob} must be float32 or bfloat16, got {value!r}")
+  for knob, allowed in (("dtype", DTYPES), ("param_dtype", ("",) + DTYPES)):
+    if getattr(config, knob) not in allowed:
+      raise WorkloadError(f"{knob} must be float32 or bfloat16, got {getattr(config, knob)!r}")
   if config.d_model % config.heads:
     raise WorkloadError(f"d_model {config.d_model} does not divide into {config.heads} heads")
 

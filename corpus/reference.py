@@ -48,7 +48,7 @@ def evaluate_model(spec: str, mesh, hardware, order: Sequence[str] | None = None
   family, _ = parse(spec)
   workload = load(spec, abstract=True)
   program = trace(workload.fn, *workload.args)
-  n_params = parameter_count(getattr(workload.args[0], "params", workload.args[0]))
+  n_params = parameter_count(workload.args[0])
   schedules = experts(family.name, mesh.names)
   if strategies is not None:
     schedules = {k: v for k, v in schedules.items() if k in strategies}

@@ -107,7 +107,7 @@ def build(spec: str, abstract: bool | None = None) -> Workload:
   key = jax.random.PRNGKey(config.seed)
   shapes = jax.eval_shape(init, key)
   if abstract is None:
-    abstract = parameter_count(getattr(shapes[0], "params", shapes[0])) > ABSTRACT_ABOVE
+    abstract = parameter_count(shapes[0]) > ABSTRACT_ABOVE
   args = shapes if abstract else init(key)
   return Workload(spec, train_step, tuple(args))
 

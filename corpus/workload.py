@@ -33,7 +33,8 @@ def abstractify(tree):
 
 
 def parameter_count(params) -> int:
-  leaves = jax.tree_util.tree_leaves(params)
+  """Elements of a parameter tree, or of the parameters of a Flax `TrainState`."""
+  leaves = jax.tree_util.tree_leaves(getattr(params, "params", params))
   return int(sum(np.prod(x.shape) for x in leaves if hasattr(x, "shape")))
 
 

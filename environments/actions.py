@@ -67,8 +67,7 @@ def _state_pattern(name: str, param: str) -> str:
 def decision_points(program: Program) -> list[DecisionPoint]:
   """The inputs with at least one dimension, grouped by role, layer-free path and shape."""
   roles = R.roles(program)
-  role_of = {**{v: "param" for v in roles.params + roles.model_state},
-             **{v: "opt" for v in roles.opt_state},
+  role_of = {**{v: "param" for v in roles.weights}, **{v: "opt" for v in roles.opt_state},
              **{v: "data" for v in roles.data}}
   groups: dict[tuple, list[int]] = {}
   for vid, name in zip(program.inputs, program.input_names):

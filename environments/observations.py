@@ -118,7 +118,7 @@ def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
   batched = sum(1 for op in ops if op.name == "dot_general"
                 and op.params["dimension_numbers"][1][0])  # attention-like: batch dims
   nbytes = lambda ids: sum(values[v].nbytes for v in ids)
-  weights = nbytes(roles.params + roles.model_state)
+  weights = nbytes(roles.weights)
   return np.array([
       matmul.sum() / n, conv.sum() / n, is_kind("vector").sum() / n, is_kind("memory").sum() / n,
       flops[matmul].sum() / total, flops[conv].sum() / total,
@@ -151,7 +151,7 @@ class StaticGraph:
     feats = np.zeros((n, NODE_FEATURES), np.float32)
     role = {}
     roles = R.roles(program)
-    for r, ids in zip(ROLES, (roles.params + roles.model_state, roles.opt_state, roles.data)):
+    for r, ids in zip(ROLES, (roles.weights, roles.opt_state, roles.data)):
       role.update({v: r for v in ids})
     work = ProgramWork.of(program)
     outputs = set(program.outputs)
@@ -221,8 +221,7 @@ class StaticGraph:
       touched[i, :len(spread)], touched_mask[i, :len(spread)] = spread, True
     self.actions, self.action_nodes, self.action_nodes_mask = act, touched, touched_mask
     # Per role, the inputs' bytes: the share sharded over each axis is a global feature.
-    ids = [np.array(sorted(x), np.int64)
-           for x in (roles.params + roles.model_state, roles.opt_state, roles.data)]
+    ids = [np.array(sorted(x), np.int64) for x in (roles.weights, roles.opt_state, roles.data)]
     self._role_values = np.concatenate(ids)
     weights = np.zeros((len(ROLES), len(self._role_values)), np.float32)
     start = 0

@@ -139,3 +139,10 @@ def compare(predicted: Sequence[Collective], compiled: Sequence[HloCollective]):
       rows.append(KindComparison(kind, sum(x.bytes for x in p), sum(x.bytes for x in c),
                                  len(p), sum(x.count for x in c), sum(x.bytes for x in k)))
   return rows
+
+
+def memory_footprint(analysis) -> int:
+  """Bytes a compiled program holds at once per device, from XLA's `memory_analysis()`:
+  arguments + outputs + temporaries - what outputs alias."""
+  return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes +
+          analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)

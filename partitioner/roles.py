@@ -23,6 +23,9 @@ import numpy as np
 from partitioner.factors import PASS, REPL, SUM, split_dim
 from partitioner.ir import Program
 from partitioner.propagation import factor_table
+from partitioner.rules.elementwise import NARY, UNARY
+
+_ELEMENTWISE = frozenset(UNARY) | frozenset(NARY)
 
 # Names only decide for inputs that are not state.
 _PARAM = re.compile(r"param|weight|variables|state", re.I)
@@ -34,6 +37,11 @@ class Roles(NamedTuple):
   opt_state: tuple[int, ...]
   data: tuple[int, ...]
   model_state: tuple[int, ...] = ()
+
+  @property
+  def weights(self) -> tuple[int, ...]:
+    """Parameters and model state: what memory and observations count as the model."""
+    return self.params + self.model_state
 
 
 def _top(name: str) -> str:
@@ -141,17 +149,8 @@ def forward_ops(program: Program) -> frozenset[int]:
   targets = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
   if not targets or not program.aliases:
     return frozenset(range(len(program.ops)))
-  seen, stack, ops = set(targets), list(targets), set()
-  while stack:
-    p = program.values[stack.pop()].producer
-    if p is None or p in ops:
-      continue
-    ops.add(p)
-    for v in program.ops[p].inputs:
-      if v not in seen:
-        seen.add(v)
-        stack.append(v)
-  return frozenset(ops)
+  return frozenset(p for v in _ancestors(program, targets)
+                   if (p := program.values[v].producer) is not None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -187,15 +186,6 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
       kept = [d for d in range(src.rank) if d not in op.params["dimensions"]]
       dims = [kept[d] for d in dims]
       vid = op.inputs[0]
-    elif op.name == "reshape" and [n for n in src.shape if n != 1] == [
-        n for n in program.values[vid].shape if n != 1]:
-      kept = [d for d in range(src.rank) if src.shape[d] != 1]
-      out = [d for d in range(program.values[vid].rank) if program.values[vid].shape[d] != 1]
-      where = dict(zip(out, kept))
-      if any(d not in where for d in dims if program.values[vid].shape[d] != 1):
-        return None
-      dims = [where.get(d, -1) for d in dims]
-      vid = op.inputs[0]
     else:
       return None
   return vid, dims
@@ -211,7 +201,7 @@ def stacked_dims(program: Program) -> dict[int, int]:
   forward = forward_ops(program)
   r = roles(program)
   found: dict[int, int] = {}
-  for vid in r.params + r.model_state + r.data:
+  for vid in r.weights + r.data:
     value, dims = program.values[vid], None
     for u in program.users[vid]:
       if u not in forward:
@@ -311,9 +301,6 @@ def matmul_weights(program: Program) -> tuple[int, ...]:
   return tuple(found)
 
 
-_ELEMENTWISE = frozenset({"add", "sub", "mul", "convert_element_type", "copy"})
-
-
 def _fused_chunks(program: Program, forward, start: int, dim: int, m: int):
   """If dimension `dim` of `start` is, after elementwise ops (a bias), split by slices into
   equal chunks that each divide by `m` (`jnp.split(qkv, 3, axis=-1)`): the (chunk, dim) list."""
@@ -323,13 +310,13 @@ def _fused_chunks(program: Program, forward, start: int, dim: int, m: int):
     value = program.values[vid]
     if users and all(program.ops[u].name == "slice" for u in users):
       break
-    if len(users) != 1 or program.ops[users[0]].name not in _ELEMENTWISE:
+    if len(users) != 1 or program.ops[users[0]].name not in _ELEMENTWISE:  # a bias, a cast
       return None
     out = program.ops[users[0]].outputs[0]
     if program.values[out].shape != value.shape:
       return None
     vid = out
-  chunks, covered = [], set()
+  chunks = []
   for u in users:
     op = program.ops[u]
     starts, limits, strides = (op.params["start_indices"], op.params["limit_indices"],
@@ -411,8 +398,6 @@ def expert_weights(program: Program) -> tuple[tuple[int, int], ...]:
       if src is None:
         continue
       for d in batch[side]:
-        if src[1][d] < 0:
-          continue
         entry = (src[0], src[1][d])
         if entry not in found:
           found.append(entry)
@@ -434,7 +419,7 @@ def embedding_tables(program: Program) -> tuple[tuple[int, int], ...]:
       continue
     fac = table[op.index].factors
     for d, fl in enumerate(fac.operands[0]):
-      if fl and fac.kinds[fl[0]] == SUM and src[1][d] >= 0:
+      if fl and fac.kinds[fl[0]] == SUM:
         entry = (src[0], src[1][d])
         if entry not in found:
           found.append(entry)

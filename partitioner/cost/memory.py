@@ -71,7 +71,7 @@ class ProgramLiveness:
       if v.producer is not None and v.producer in forward and any(
           u not in forward for u in users[v.id]):
         category[v.id] = 3
-    for group, code in ((roles.params + roles.model_state, 0), (roles.opt_state, 1)):
+    for group, code in ((roles.weights, 0), (roles.opt_state, 1)):
       for v in group:
         category[v] = code
         for o in R.aliased_outputs(program, v):

@@ -119,18 +119,13 @@ def test_bf16_compute_with_f32_master_weights(programs):
 
 def test_gpt2_dp_megatron_collectives_match_xla(programs):
   """XLA, given the plan's shardings (and the jit lowering's islands and slice constraints),
-  compiles the same collectives per kind and axes as the plan. (docs/real_models.md shows
+  compiles the same collectives per kind as the plan, bytes within 10%. (docs/real_models.md shows
   GPT-2 124M on batch=4,model=4: equal counts and bytes.)"""
-  from partitioner.hlo import hlo_collectives
+  from partitioner.hlo import compare, hlo_collectives
   workload, program = programs("hf_gpt2:small")
   pp = P.apply(program, MESH, corpus.experts("hf_gpt2")["dp+megatron"])
   compiled = pp.jit(pp.mesh.to_jax()).lower(*workload.args).compile()
-  plan, xla = collections.Counter(), collections.Counter()
-  for c in pp.collectives:
-    plan[(c.kind, c.axes)] += c.bytes
-  for c in hlo_collectives(compiled.as_text(), pp.mesh):
-    if not c.from_constant:
-      xla[(c.kind, c.axes)] += c.bytes
-  assert set(xla) == set(plan), (plan, xla)
-  for key, nbytes in plan.items():
-    assert xla[key] == pytest.approx(nbytes, rel=0.1), (key, plan, xla)
+  rows = compare(pp.collectives, hlo_collectives(compiled.as_text(), pp.mesh))
+  assert {r.kind for r in rows} == {"all-reduce", "all-gather"}
+  for r in rows:
+    assert r.ratio == pytest.approx(1.0, abs=0.1), rows
