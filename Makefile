@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench scales clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,19 @@ bench: install
 	$(PY) benchmarks/bench_environment.py
 	$(PY) benchmarks/bench_actor.py
 	$(PY) benchmarks/real_models.py
+	$(VENV)/bin/shardzero evaluate --suite quick --jobs 2 --store benchmarks/results/evaluate.jsonl \
+	  --json benchmarks/results/quick.json --markdown benchmarks/results/quick.md \
+	  --plots benchmarks/results/quick
 	@if [ -f runs/demo/checkpoint.pkl ]; then $(PY) benchmarks/bench_policy.py --policy runs/demo; \
 	else echo "bench_policy: no trained policy in runs/demo (run 'make demo' first)"; fi
+
+# Agents across scales (docs/scales.md): the bundled `scales` suite, with the demo's policy.
+scales: install
+	$(VENV)/bin/shardzero evaluate --suite scales --jobs 2 --store docs/scales/results.jsonl \
+	  --agents expert,greedy,mcts:100,ilp$(if $(wildcard runs/demo/checkpoint.pkl),$(comma)policy:runs/demo$(comma)policy+mcts:runs/demo:10) \
+	  --markdown docs/scales.md --plots docs/scales
+
+comma := ,
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,11 +7,11 @@ import argparse
 import os
 import sys
 
-from launch import (corpus_command, hardware_command, partition_command, plot_command,
-                    propose_command, search_command, train_command)
+from launch import (corpus_command, evaluate_command, hardware_command, partition_command,
+                    plot_command, propose_command, search_command, train_command)
 
-COMMANDS = (partition_command, search_command, train_command, propose_command, plot_command,
-            corpus_command, hardware_command)
+COMMANDS = (partition_command, search_command, train_command, propose_command, evaluate_command,
+            plot_command, corpus_command, hardware_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,10 +1,13 @@
-"""Progress of a training run, read from its CSV logs (so it works for any process layout)."""
+"""Progress of long commands: a bar on a terminal, a plain line every few seconds otherwise
+(a pipe or a CI log is never silent for minutes). A training run's progress is read from its
+CSV logs, so it works for any process layout."""
 
 from __future__ import annotations
 
 import csv
 import glob
 import os
+import sys
 import time
 
 import numpy as np
@@ -36,25 +39,61 @@ def summary(run_dir: str, since: float) -> dict:
   }
 
 
-class TrainingProgress:
-  """A rich progress bar over learner updates with the run's vital signs."""
+class Ticker:
+  """A progress bar over `total` units with an info field, or, when stdout is not a terminal,
+  a line `label: done/total (elapsed) info` at most every `every` seconds and at the end."""
 
-  def __init__(self, run_dir: str, config):
-    self._run_dir, self._total = run_dir, config.steps
-    self._since = time.time()
-    self._progress = Progress(
-        TextColumn("[bold]updates"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-    self._task = None
+  def __init__(self, label: str, total: int, every: float = 10.0, unit: str = ""):
+    self._label, self._total, self._every, self._unit = label, total, every, unit
+    self._tty = sys.stdout.isatty()
+    self._start = self._last = time.time()
+    self._completed, self._info = 0, ""
+    self._bar = Progress(TextColumn(f"[bold]{label}"), BarColumn(),
+                         TextColumn("{task.completed}/{task.total}"),
+                         TextColumn("{task.fields[info]}"), TimeElapsedColumn()) \
+        if self._tty else None
 
   def __enter__(self):
-    self._progress.__enter__()
-    self._task = self._progress.add_task("train", total=self._total, info="starting...")
+    if self._bar is not None:
+      self._bar.__enter__()
+      self._task = self._bar.add_task(self._label, total=self._total, info="starting...")
+    return self
+
+  def __exit__(self, *exc):
+    if self._bar is not None:
+      return self._bar.__exit__(*exc)
+    self._line()
+    return False
+
+  def update(self, completed: int, info: str = "") -> None:
+    self._completed, self._info = completed, info
+    if self._bar is not None:
+      self._bar.update(self._task, completed=completed, info=info)
+    elif time.time() - self._last >= self._every:
+      self._line()
+
+  def _line(self) -> None:
+    self._last = time.time()
+    elapsed = int(self._last - self._start)
+    print(f"{self._label}: {self._completed}/{self._total}{self._unit} "
+          f"({elapsed // 60}:{elapsed % 60:02d}) {self._info}".rstrip(), flush=True)
+
+
+class TrainingProgress:
+  """Progress over learner updates with the run's vital signs."""
+
+  def __init__(self, run_dir: str, config):
+    self._run_dir = run_dir
+    self._since = time.time()
+    self._ticker = Ticker("updates", config.steps)
+
+  def __enter__(self):
+    self._ticker.__enter__()
     return self
 
   def __exit__(self, *exc):
     self.refresh()
-    return self._progress.__exit__(*exc)
+    return self._ticker.__exit__(*exc)
 
   def refresh(self) -> None:
     try:
@@ -63,4 +102,4 @@ class TrainingProgress:
       return            # a log being written; next time
     info = (f"episodes {s['episodes']} ({s['episodes_per_s']:.2f}/s) | return "
             f"{s['mean_return']:.3f} | held-out cost/expert {s['heldout_ratio']:.3f}")
-    self._progress.update(self._task, completed=s["steps"], info=info)
+    self._ticker.update(s["steps"], info)

@@ -1,0 +1,322 @@
+"""Agents evaluated on tasks: what `shardzero evaluate` runs, stores and summarises.
+
+A task is (model, mesh, hardware, memory budget). Each (agent, task) result is kept in a
+results store (JSON lines, one per result, appended as it arrives) under the agent's version,
+so a re-run only evaluates what is missing and the best-known strategy of a task (the fastest
+that fits over every agent ever evaluated on it, experts included) only improves. Corpus
+models always get the `expert` agent, so every ratio has an expert in its denominator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import types
+from typing import Iterable, NamedTuple
+
+from partitioner.errors import ShardzeroError, WorkloadError
+
+# Bump an agent's version when what it decides changes: its stored results are then redone.
+AGENT_VERSIONS = {"expert": 1, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 1,
+                  "policy": 1, "policy+mcts": 1}
+DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "beam": 200}
+WITHIN = 1.10       # "within 10% of the best known"
+
+
+class AgentSpec(NamedTuple):
+  """`mcts:64`, `ilp:30` (a time limit in seconds), `policy:runs/demo`,
+  `policy+mcts:runs/demo:16`."""
+  kind: str
+  run: str | None = None       # a policy's run directory
+  number: int | None = None    # simulations (mcts, policy+mcts), steps (beam), seconds (ilp)
+
+  def __str__(self) -> str:
+    parts = [self.kind] + ([self.run] if self.run else []) + (
+        [str(self.number)] if self.number is not None else [])
+    return ":".join(parts)
+
+
+def parse_agent(text: str) -> AgentSpec:
+  kind, _, rest = text.strip().partition(":")
+  if kind not in AGENT_VERSIONS:
+    raise ShardzeroError(f"unknown agent {text!r}; agents: expert, random, greedy, beam[:STEPS], "
+                         "mcts[:SIMS], ilp[:SECONDS], policy:RUN, policy+mcts:RUN[:SIMS]")
+  run, number = None, DEFAULT_NUMBER.get(kind)
+  if kind.startswith("policy"):
+    head, sep, tail = rest.rpartition(":")
+    if kind == "policy+mcts" and sep and tail.isdigit():
+      rest, number = head, int(tail)
+    if not rest:
+      raise ShardzeroError(f"agent {text!r} needs a run directory: {kind}:RUN")
+    run = rest
+  elif rest:
+    if not rest.isdigit() or int(rest) < 1 or number is None:
+      raise ShardzeroError(f"agent {text!r}: {kind} takes "
+                           + ("no argument" if number is None else "a positive integer"))
+    number = int(rest)
+  return AgentSpec(kind, run, number)
+
+
+def agent_version(spec: AgentSpec) -> str:
+  """The agent's version; for a policy also a digest of its checkpoint, so that a retrained
+  policy is evaluated again."""
+  version = f"{spec.kind}-v{AGENT_VERSIONS[spec.kind]}"
+  if spec.run is None:
+    return version
+  from learners.checkpointing import FILENAME
+  path = os.path.join(spec.run, FILENAME)
+  if not os.path.exists(path):
+    raise ShardzeroError(f"agent {spec}: no checkpoint {path} (train one with 'shardzero train')")
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return f"{version}-{digest.hexdigest()[:12]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalTask:
+  """`budget`: "device" (the device's memory), bytes ("16GiB"), or a fraction in (0, 1] of the
+  way from the smallest expert peak to the data-parallel peak, as the environment's tight
+  budgets."""
+  model: str
+  mesh: str
+  hardware: str = "h100"
+  budget: str = "device"
+
+  @property
+  def key(self) -> str:
+    return f"{self.model} | {self.mesh} | {self.hardware} | {self.budget}"
+
+  @property
+  def devices(self) -> int:
+    from partitioner.mesh import Mesh
+    return Mesh.parse(self.mesh).device_count
+
+  def resolve(self):
+    """The environment's `Task`, with the budget in bytes."""
+    from environments import Task, parse_bytes
+    from environments.tasks import tight_budget
+    task = Task(self.model, self.mesh, self.hardware)
+    if self.budget == "device":
+      return task
+    try:
+      fraction = float(self.budget)
+    except ValueError:
+      return dataclasses.replace(task, memory_budget=parse_bytes(self.budget))
+    if 0 < fraction <= 1:
+      return dataclasses.replace(task, memory_budget=tight_budget(task, fraction))
+    return dataclasses.replace(task, memory_budget=parse_bytes(self.budget))
+
+
+def check_budget(text: str) -> str:
+  """A memory budget as tasks take it; bad ones are a `WorkloadError`."""
+  from environments import parse_bytes
+  text = str(text).strip()
+  if text != "device":
+    try:
+      if not 0 < float(text) <= 1:
+        parse_bytes(text)
+    except ValueError:
+      parse_bytes(text)
+  return text
+
+
+def expand_models(names: Iterable[str], preset: str) -> list[str]:
+  """Corpus names, family names (at `preset`), split names (their families at `preset`) and
+  user `module:function`s; unknown ones are a one-line `WorkloadError`."""
+  import importlib.util
+  import corpus
+  out = []
+  for name in (n.strip() for n in names):
+    head = name.partition(":")[0]
+    if name in corpus.SPLITS:
+      out += [f"{f}:{preset}" for f in corpus.split(name)]
+    elif name in corpus.FAMILIES:
+      out.append(f"{name}:{preset}")
+    elif head in corpus.FAMILIES:
+      corpus.parse(name)
+      out.append(name)
+    elif ":" in name and (os.path.exists(head) or
+                          importlib.util.find_spec(head.split(".")[0]) is not None):
+      out.append(name)
+    else:
+      raise WorkloadError(f"unknown model {name!r}; use a corpus name ({', '.join(corpus.FAMILIES)}),"
+                          f" a split ({', '.join(corpus.SPLITS)}) or module:function")
+  return out
+
+
+# ---------------------------------------------------------------------------------- running
+def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
+  """Plays one episode of `spec` in `env` (reset); what it decided and how long it took."""
+  from agents.environment_loop import EnvironmentLoop
+  from agents.loggers import InMemoryLogger
+  extra: dict = {}
+  if spec.kind.startswith("policy"):
+    from agents.learned.inference import play_policy
+    policy = _policy(spec.run)
+    env.reset()
+    seconds, simulations = play_policy(env, policy, "mcts" if spec.kind == "policy+mcts" else
+                                       "greedy", spec.number or 1)
+    return {"decide_s": seconds, "simulations": simulations}
+  from launch.search_command import make_actor
+  if spec.kind == "ilp":
+    from agents.ilp import ILPActor
+    actor = ILPActor(env, time_limit_s=float(spec.number))
+  else:
+    args = types.SimpleNamespace(budget=spec.number or 1, width=4, seed=seed)
+    actor = make_actor(spec.kind, env, args)
+  start = time.perf_counter()
+  EnvironmentLoop(env, actor, logger=InMemoryLogger(), should_update=False).run_episode()
+  seconds = time.perf_counter() - start
+  if spec.kind == "ilp":
+    s = actor.solution
+    extra = {"ilp": {"objective_s": s.objective_s, "simulated_s": s.simulated_s,
+                     "linearisation_error": s.simulated_s / s.objective_s - 1
+                     if s.objective_s else 0.0,
+                     "status": s.status, "gap": s.gap, "variables": s.variables,
+                     "constraints": s.constraints, "rounds": s.rounds,
+                     "skipped": len(s.skipped),
+                     "build_s": s.build_s, "solve_s": s.solve_s}}
+  simulations = getattr(actor, "simulations", len(env.history))
+  return {"decide_s": seconds, "simulations": simulations, **extra}
+
+
+
+_POLICIES: dict = {}
+
+
+def _policy(run: str):
+  if run not in _POLICIES:
+    from agents.learned.inference import load_policy
+    _POLICIES[run] = load_policy(run)
+  return _POLICIES[run]
+
+
+def _program_size(model: str) -> dict:
+  from environments.tasks import load_program
+  from partitioner.roles import roles
+  program = load_program(model)
+  params = sum(math.prod(program.values[v].shape) for v in roles(program).params)
+  return {"ops": len(program.ops), "parameters": int(params)}
+
+
+class Unit(NamedTuple):
+  """What one worker evaluates: the agents missing on one task (sharing its traced program)."""
+  task: EvalTask
+  agents: tuple[tuple[str, str], ...]    # (agent text, version)
+  max_steps: int
+  seed: int
+
+
+def run_unit(unit: Unit) -> list[dict]:
+  """Evaluates each agent of `unit` on its task; an agent that fails gives a row with `error`."""
+  from environments import EnvConfig, PartitioningEnv
+  task = unit.task
+  base = {"task": task.key, "model": task.model, "mesh": task.mesh, "hardware": task.hardware,
+          "budget": task.budget, "devices": task.devices, "max_steps": unit.max_steps,
+          "seed": unit.seed}
+  rows = []
+  try:
+    resolved = task.resolve()
+    size = _program_size(task.model)
+  except ShardzeroError as e:
+    return [{**base, "agent": a, "version": v, "error": str(e)} for a, v in unit.agents]
+  for text, version in unit.agents:
+    row = {**base, **size, "agent": text, "version": version}
+    try:
+      env = PartitioningEnv(resolved, seed=unit.seed, config=EnvConfig(max_steps=unit.max_steps))
+      env.reset()
+      row.update(_run_agent(parse_agent(text), env, unit.seed))
+      cost, ctx = env.exact_cost, env.context
+      row.update({"budget_bytes": ctx.budget, "step_time_s": cost.step_time_s,
+                  "peak_memory_bytes": cost.peak_memory_bytes,
+                  "fits": cost.peak_memory_bytes <= ctx.budget,
+                  "schedule": env.partitioned.strategy, "actions": len(env.history)})
+    except ShardzeroError as e:
+      row["error"] = str(e)
+    except Exception as e:     # a bug: reported with the others, the rest of the run goes on
+      row["error"] = f"{type(e).__name__}: {e}"
+    rows.append(row)
+  return rows
+
+
+# ------------------------------------------------------------------------------ the store
+class ResultsStore:
+  """Results as JSON lines in `path`, one per (agent, version, task, max steps, seed); a line
+  cut short by a crash is skipped with a warning, never fatal."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self.rows: list[dict] = []
+    self.damaged = 0
+    if os.path.exists(path):
+      with open(path) as f:
+        for line in f:
+          try:
+            self.rows.append(json.loads(line))
+          except json.JSONDecodeError:
+            self.damaged += 1
+
+  @staticmethod
+  def key(row: dict) -> tuple:
+    return (row["agent"], row["version"], row["task"], row["max_steps"], row["seed"])
+
+  def has(self, key: tuple) -> bool:
+    return any(self.key(r) == key and "error" not in r for r in self.rows)
+
+  def add(self, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    with open(self.path, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    self.rows += rows
+
+  def best_known(self) -> dict[str, float]:
+    """Per task: the fastest step time that fits, over everything stored (or the fastest at
+    all where nothing fits)."""
+    best: dict[str, tuple[bool, float]] = {}
+    for r in self.rows:
+      if "error" in r:
+        continue
+      cand = (not r["fits"], r["step_time_s"])
+      if r["task"] not in best or cand < best[r["task"]]:
+        best[r["task"]] = cand
+    return {k: v[1] for k, v in best.items()}
+
+  def latest(self, keys: Iterable[tuple]) -> list[dict]:
+    """The stored row of each key (the last one written)."""
+    by_key = {self.key(r): r for r in self.rows}
+    return [by_key[k] for k in keys if k in by_key]
+
+
+def with_ratios(rows: list[dict], best: dict[str, float]) -> list[dict]:
+  out = []
+  for r in rows:
+    b = best.get(r["task"])
+    ratio = r["step_time_s"] / b if "error" not in r and b else None
+    out.append({**r, "best_known_s": b, "ratio": ratio,
+                "within": ratio is not None and ratio <= WITHIN and r["fits"]})
+  return out
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+  """Per (agent, number of devices): tasks, mean ratio to best known, share within 10% (and
+  fitting), mean decision time."""
+  groups: dict = {}
+  for r in rows:
+    groups.setdefault((r["agent"], r["devices"]), []).append(r)
+  out = []
+  for (agent, devices), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    ok = [r for r in rs if r.get("ratio") is not None]
+    out.append({"agent": agent, "devices": devices, "tasks": len(rs), "errors": len(rs) - len(ok),
+                "mean_ratio": sum(r["ratio"] for r in ok) / len(ok) if ok else None,
+                "within_10pct": sum(r["within"] for r in ok) / len(ok) if ok else None,
+                "mean_decide_s": sum(r["decide_s"] for r in ok) / len(ok) if ok else None})
+  return out

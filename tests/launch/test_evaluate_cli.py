@@ -1,0 +1,118 @@
+"""`shardzero evaluate`: agents x tasks, ratios to the best known, the results store, errors."""
+
+import csv
+import json
+import os
+
+import pytest
+
+from tests.launch.test_cli import run
+
+SUITE = """\
+description: two tiny tasks
+agents: [greedy, random, "mcts:8"]
+tasks:
+  - models: ["mlp:small"]
+    meshes: ["batch=8", "batch=4,model=2"]
+"""
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+  path = tmp_path_factory.mktemp("suite") / "tiny.yaml"
+  path.write_text(SUITE)
+  return str(path)
+
+
+def _evaluate(capsys, *argv):
+  code, out, err = run(capsys, "evaluate", *argv, "--json", "-")
+  return code, (json.loads(out) if code == 0 else None), err
+
+
+def test_parallel_jobs_ratios_and_resume(capsys, suite, tmp_path):
+  store = str(tmp_path / "results.jsonl")
+  code, data, _ = _evaluate(capsys, "--suite", suite, "--store", store, "--jobs", "2")
+  assert code == 0
+  rows = data["results"]
+  assert len(rows) == 2 * 3 and data["agents"] == ["greedy", "random", "mcts:8"]
+  assert {r["mesh"] for r in rows} == {"batch=8", "batch=4,model=2"}
+  with open(store) as f:
+    stored = [json.loads(line) for line in f]
+  assert len(stored) == 2 * 4                    # the expert is evaluated on corpus models too
+  for task in data["tasks"]:
+    times = [r["step_time_s"] for r in stored if r["task"] == task and r["fits"]]
+    mine = [r for r in rows if r["task"] == task]
+    assert min(r["ratio"] for r in mine) >= 1.0 - 1e-12
+    assert all(r["best_known_s"] == min(times) for r in mine)
+    assert all(r["ratio"] == pytest.approx(r["step_time_s"] / min(times)) for r in mine)
+    assert next(r for r in mine if r["agent"] == "mcts:8")["simulations"] == 8
+  assert {s["devices"] for s in data["summary"]} == {8}
+  assert all(s["tasks"] == 2 and s["errors"] == 0 for s in data["summary"])
+  # A re-run evaluates nothing and reports the same; a new agent adds only its own rows.
+  code, again, _ = _evaluate(capsys, "--suite", suite, "--store", store)
+  assert code == 0 and again["results"] == rows
+  code, more, _ = _evaluate(capsys, "--suite", suite, "--store", store, "--agents", "greedy,beam:20")
+  assert code == 0 and len(more["results"]) == 4
+  with open(store) as f:
+    assert len(f.readlines()) == 2 * 4 + 2
+
+
+def test_tables_csv_plots_and_markdown(capsys, tmp_path):
+  store, out_dir = str(tmp_path / "r.jsonl"), tmp_path / "out"
+  code, out, _ = run(capsys, "evaluate", "--models", "mlp:small", "--meshes", "batch=8;batch=2,model=4",
+                     "--agents", "expert,greedy", "--store", store, "--csv", str(tmp_path / "r.csv"),
+                     "--plots", str(out_dir), "--markdown", str(tmp_path / "report.md"))
+  assert code == 0
+  assert "8 devices: step time / best known" in out and "summary" in out
+  with open(tmp_path / "r.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert len(rows) == 4 and {r["agent"] for r in rows} == {"expert", "greedy"}
+  assert all(float(r["ratio"]) >= 1.0 - 1e-12 for r in rows)
+  assert sorted(os.listdir(out_dir)) == ["decision_time.png", "ratio_by_devices.png",
+                                         "ratio_by_size.png"]
+  text = (tmp_path / "report.md").read_text()
+  assert "| greedy | 8 | 2 |" in text and "](out/ratio_by_devices.png)" in text
+
+
+def test_ilp_rows_carry_the_solver_report(capsys, tmp_path):
+  code, data, _ = _evaluate(capsys, "--models", "mlp:small", "--meshes", "batch=4,model=2",
+                            "--agents", "ilp:20", "--store", str(tmp_path / "r.jsonl"))
+  assert code == 0
+  (row,) = data["results"]
+  ilp = row["ilp"]
+  assert ilp["variables"] > 0 and ilp["constraints"] > 0 and "Optimal" in ilp["status"]
+  assert ilp["simulated_s"] > 0 and ilp["objective_s"] > 0
+  assert row["ratio"] <= 1.10 and row["fits"]
+
+
+def test_a_damaged_store_line_is_skipped_with_a_warning(capsys, tmp_path):
+  store = tmp_path / "r.jsonl"
+  argv = ("--models", "mlp:small", "--meshes", "batch=8", "--agents", "greedy", "--store",
+          str(store))
+  assert _evaluate(capsys, *argv)[0] == 0
+  store.write_text(store.read_text() + '{"agent": "greedy", "vers')   # a crash mid-line
+  code, data, err = _evaluate(capsys, *argv)
+  assert code == 0 and "1 damaged line(s)" in err and len(data["results"]) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "gtp:mini", "--meshes", "batch=8"], "unknown model 'gtp:mini'"),
+    (["--models", "gpt:huge", "--meshes", "batch=8"], "gpt has no preset 'huge'"),
+    (["--models", "mlp:small", "--meshes", "batch=8", "--agents", "alphago"],
+     "unknown agent 'alphago'"),
+    (["--models", "mlp:small", "--meshes", "batch=8", "--agents", "mcts:0"],
+     "agent 'mcts:0': mcts takes a positive integer"),
+    (["--models", "mlp:small", "--meshes", "batch=8", "--agents", "policy:nowhere"],
+     "no checkpoint nowhere/checkpoint.pkl"),
+    (["--models", "mlp:small", "--meshes", "batch"], "bad mesh 'batch'"),
+    (["--models", "mlp:small", "--meshes", "batch=8", "--memory-budget", "lots"],
+     "bad memory size 'lots'"),
+    (["--models", "mlp:small", "--meshes", "batch=8", "--hardware", "tpu-v9"],
+     "unknown hardware 'tpu-v9'"),
+    (["--suite", "nosuch"], "unknown suite 'nosuch'"),
+    (["--models", "mlp:small"], "give --suite, or --models and --meshes"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(capsys, tmp_path, argv, message):
+  code, _, err = run(capsys, "evaluate", *argv, "--store", str(tmp_path / "r.jsonl"))
+  assert code == 2
+  assert err.count("\n") == 1 and message in err, err
