@@ -18,18 +18,19 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The main job: a short training run (AlphaZero-style, 2 actor processes, a learner and an
-# evaluator over Reverb) on the train split, then the policy proposes a strategy for a held-out
-# model, greedily and with policy-guided search.
+# evaluator over Reverb) on the train split; then the policy proposes a strategy for a held-out
+# model with policy-guided search, and is evaluated on every held-out model, greedily and
+# guided, against the best expert strategy.
 demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/shardzero train --run-dir runs/demo --algorithm alphazero --actors 2 --steps 240 \
 	  --set pretrain_steps=200 --set pretrain_learning_rate=1e-2 --set learning_rate=3e-3 \
 	  --set demonstrations=0.25 --set ema_decay=0.9 --eval-every 60
 	$(VENV)/bin/shardzero plot runs/demo
-	$(VENV)/bin/shardzero propose unet:mini --mesh batch=4,model=2 --policy runs/demo
-	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo
-	$(VENV)/bin/shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo \
+	$(VENV)/bin/shardzero propose unet:mini --mesh batch=4,model=2 --policy runs/demo \
 	  --search mcts --budget 16
+	$(VENV)/bin/shardzero evaluate --models heldout --meshes "batch=4,model=2" \
+	  --agents expert,policy:runs/demo,policy+mcts:runs/demo:16 --store runs/demo/evaluate.jsonl
 
 test: install
 	$(PY) -m pytest -q tests

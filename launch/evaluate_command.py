@@ -104,7 +104,7 @@ def run(args) -> int:
   suite, tasks = _tasks(args)
   agents = [a.strip() for a in args.agents.split(",")] if args.agents else list(suite.agents)
   specs = [ev.parse_agent(a) for a in agents]
-  agents = [str(s) for s in specs]
+  agents = list(dict.fromkeys(str(s) for s in specs))
   versions = {str(s): ev.agent_version(s) for s in specs}
   versions.setdefault("expert", ev.agent_version(ev.parse_agent("expert")))
   store = ev.ResultsStore(args.store)

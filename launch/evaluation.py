@@ -22,7 +22,7 @@ from partitioner.errors import ShardzeroError, WorkloadError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
 AGENT_VERSIONS = {"expert": 1, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 1,
-                  "policy": 1, "policy+mcts": 1}
+                  "policy": 2, "policy+mcts": 2}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
 
@@ -229,9 +229,12 @@ def run_unit(unit: Unit) -> list[dict]:
   for text, version in unit.agents:
     row = {**base, **size, "agent": text, "version": version}
     try:
-      env = PartitioningEnv(resolved, seed=unit.seed, config=EnvConfig(max_steps=unit.max_steps))
+      spec = parse_agent(text)
+      # A policy plays as many actions as it was trained to; the others, the unit's.
+      steps = _policy(spec.run).max_steps if spec.run else unit.max_steps
+      env = PartitioningEnv(resolved, seed=unit.seed, config=EnvConfig(max_steps=steps))
       env.reset()
-      row.update(_run_agent(parse_agent(text), env, unit.seed))
+      row.update(_run_agent(spec, env, unit.seed))
       cost, ctx = env.exact_cost, env.context
       row.update({"budget_bytes": ctx.budget, "step_time_s": cost.step_time_s,
                   "peak_memory_bytes": cost.peak_memory_bytes,
@@ -246,6 +249,14 @@ def run_unit(unit: Unit) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ the store
+_KEYS = ("agent", "version", "task", "max_steps", "seed")
+
+
+def _complete(row) -> bool:
+  return isinstance(row, dict) and all(k in row for k in _KEYS) and (
+      "error" in row or all(k in row for k in ("step_time_s", "fits", "decide_s")))
+
+
 class ResultsStore:
   """Results as JSON lines in `path`, one per (agent, version, task, max steps, seed); a line
   cut short by a crash is skipped with a warning, never fatal."""
@@ -258,16 +269,22 @@ class ResultsStore:
       with open(path) as f:
         for line in f:
           try:
-            self.rows.append(json.loads(line))
+            row = json.loads(line)
           except json.JSONDecodeError:
+            row = None
+          if _complete(row):
+            self.rows.append(row)
+          else:
             self.damaged += 1
+    self._done = {self.key(r) for r in self.rows if "error" not in r}
 
   @staticmethod
   def key(row: dict) -> tuple:
-    return (row["agent"], row["version"], row["task"], row["max_steps"], row["seed"])
+    return tuple(row[k] for k in _KEYS)
 
   def has(self, key: tuple) -> bool:
-    return any(self.key(r) == key and "error" not in r for r in self.rows)
+    """Whether `key` has a result (a stored error is tried again)."""
+    return key in self._done
 
   def add(self, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -277,6 +294,7 @@ class ResultsStore:
       f.flush()
       os.fsync(f.fileno())
     self.rows += rows
+    self._done |= {self.key(r) for r in rows if "error" not in r}
 
   def best_known(self) -> dict[str, float]:
     """Per task: the fastest step time that fits, over everything stored (or the fastest at

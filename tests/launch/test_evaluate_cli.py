@@ -90,9 +90,11 @@ def test_a_damaged_store_line_is_skipped_with_a_warning(capsys, tmp_path):
   argv = ("--models", "mlp:small", "--meshes", "batch=8", "--agents", "greedy", "--store",
           str(store))
   assert _evaluate(capsys, *argv)[0] == 0
-  store.write_text(store.read_text() + '{"agent": "greedy", "vers')   # a crash mid-line
+  # A line of something else, and a crash mid-line.
+  store.write_text(store.read_text() + '{"agent": "greedy"}\n{"agent": "greedy", "vers')
   code, data, err = _evaluate(capsys, *argv)
-  assert code == 0 and "1 damaged line(s)" in err and len(data["results"]) == 1
+  assert code == 0 and "2 damaged line(s)" in err and len(data["results"]) == 1
+  assert data["results"][0]["ratio"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("argv, message", [
