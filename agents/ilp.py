@@ -13,9 +13,9 @@ the log of compute plus collective time and the memory constraint the log of pea
 logs, sharding over two axes is the sum of sharding over each).
 
 What a pairwise model misses (three actions together) is its linearisation error: the solution
-is replayed and costed by the full simulator, and a further round linearises around the state
-it reached while that lowers the step time. Solved with HiGHS through `scipy.optimize.milp`,
-with a time limit; the MIP gap is reported.
+is replayed and costed by the full simulator, its best prefix kept, and a further round
+linearises around the state reached while that improves it. Solved with HiGHS through
+`scipy.optimize.milp`, with a time limit; the MIP gap is reported.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Solution(NamedTuple):
   actions: tuple[int, ...]    # chosen, in replay order, over all rounds
   skipped: tuple[int, ...]    # chosen but illegal when replayed (three-way interactions)
   objective_s: float          # the first ILP's predicted serial time (compute + collectives)
-  simulated_s: float          # the simulator's serial time of the first ILP's actions
+  simulated_s: float          # the simulator's serial time of all the first ILP's actions
   memory_bytes: float         # the first ILP's predicted peak memory
   status: str                 # HiGHS' message (first round)
   gap: float | None           # relative MIP gap at the end (0: proven optimal; first round)
@@ -115,6 +115,7 @@ class _Round(NamedTuple):
   actions: tuple[int, ...]
   skipped: tuple[int, ...]
   objective: float            # log serial time predicted
+  replayed: float             # log serial time of the whole solution replayed
   memory: float               # log peak memory predicted
   status: str
   gap: float | None
@@ -127,9 +128,9 @@ class _Round(NamedTuple):
 def solve(env: PartitioningEnv, time_limit_s: float = 60.0, manual: bool = True,
           rounds: int = ROUNDS) -> Solution:
   """The ILP of `env`'s task from its current state (`env` is not stepped), then up to
-  `rounds - 1` more linearised around the state the previous one reached, while they improve
-  on it (fit the budget, or lower the simulated step time) (sequential linearisation: what a pairwise model misses of three
-  actions together, the next model sees as one action beside two taken)."""
+  `rounds - 1` more, each linearised around the state the previous one reached, while they
+  improve on it (fit the budget, or lower the simulated step time). What a pairwise model
+  misses of three actions together, the next one sees as one action beside two taken."""
   first = _round(env, time_limit_s, manual)
   best, taken = first, [first]
   while len(taken) < rounds and best.actions and not best.env.done:
@@ -140,7 +141,7 @@ def solve(env: PartitioningEnv, time_limit_s: float = 60.0, manual: bool = True,
     best = nxt
   kept = taken[:taken.index(best) + 1]
   return Solution(sum((r.actions for r in kept), ()), sum((r.skipped for r in kept), ()),
-                  math.exp(first.objective), math.exp(_serial(first.env.cost)),
+                  math.exp(first.objective), math.exp(first.replayed),
                   math.exp(first.memory), first.status, first.gap, *first.size, len(kept),
                   sum(r.simulations for r in taken), sum(r.build_s for r in taken),
                   sum(r.solve_s for r in taken))
@@ -155,7 +156,7 @@ def _round(env: PartitioningEnv, time_limit_s: float, manual: bool) -> _Round:
                     if a != ctx.finish and (manual or ctx.actions[a].kind == "tile")),
                    key=lambda a: (_rank(ctx, a), a))
   if steps_left < 2 or not choices:
-    return _Round(env, (), (), t0, m0, "nothing to choose", 0.0, (0, 0), 0, 0.0, 0.0)
+    return _Round(env, (), (), t0, t0, m0, "nothing to choose", 0.0, (0, 0), 0, 0.0, 0.0)
   # Node costs: every action alone; edge costs: the legal pairs (in replay order) among the
   # POOL actions that do most for time alone and the POOL // 3 that do most for memory.
   singles = [_after(env, a) for a in choices]
@@ -184,8 +185,11 @@ def _round(env: PartitioningEnv, time_limit_s: float, manual: bool) -> _Round:
       dt[keep], dm[keep], et[np.ix_(keep, keep)], em[np.ix_(keep, keep)],
       math.log(budget) - m0, steps_left - 1, time_limit_s)
   solve_s = time.perf_counter() - t_solve
-  # Replay in order; an action made illegal by two others is skipped.
+  # Replay in order (an action made illegal by two others is skipped) and keep the best
+  # prefix: where three or more actions together undo what pairs promised, the replay stops
+  # before them rather than pay for them.
   replay, skipped, trial = [], [], env.clone()
+  best, best_len = env, 0
   for i in np.flatnonzero(z):
     a = choices[keep[i]]
     if a not in trial.legal_actions():
@@ -193,8 +197,10 @@ def _round(env: PartitioningEnv, time_limit_s: float, manual: bool) -> _Round:
       continue
     trial.step(a)
     replay.append(a)
-  return _Round(trial, tuple(replay), tuple(skipped), t0 + objective, m0 + memory, status,
-                gap, size, sims, build_s, solve_s)
+    if _standing(trial) < _standing(best):
+      best, best_len = trial.clone(), len(replay)
+  return _Round(best, tuple(replay[:best_len]), tuple(skipped), t0 + objective,
+                _serial(trial.cost), m0 + memory, status, gap, size, sims, build_s, solve_s)
 
 
 def _candidates(dt, dm, et, em, count: int) -> np.ndarray:

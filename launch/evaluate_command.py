@@ -46,8 +46,9 @@ def add_parser(sub) -> None:
   p = sub.add_parser("evaluate", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--suite", help="a bundled suite (quick, scales) or a YAML suite file")
-  p.add_argument("--models", help="comma-separated corpus names, families, splits (train, "
-                 "heldout, real) or module:function")
+  p.add_argument("--models", help="corpus names, families, splits (train, heldout, real) or "
+                 "module:function, separated by ',' or ';' (knobs like batch=8 stay with the "
+                 "model before them)")
   p.add_argument("--meshes", help="';'-separated meshes, e.g. 'batch=4,model=2;batch=32,model=8'")
   p.add_argument("--hardware", default="h100", help="comma-separated hardware; default h100")
   p.add_argument("--memory-budget", default="device",
@@ -71,6 +72,21 @@ def add_parser(sub) -> None:
   p.set_defaults(run=run)
 
 
+def split_models(text: str) -> list[str]:
+  """`heldout,gpt:350m,batch=256;t5:mini` -> heldout, gpt:350m,batch=256, t5:mini: models are
+  separated by ';' or ',', and a `key=value` knob stays with the model before it."""
+  out: list[str] = []
+  for part in text.split(";"):
+    models: list[str] = []
+    for piece in filter(None, (q.strip() for q in part.split(","))):
+      if models and "=" in piece and ":" not in piece:
+        models[-1] += "," + piece
+      else:
+        models.append(piece)
+    out += models
+  return out
+
+
 def _tasks(args):
   from launch.evaluation import EvalTask, check_budget
   from launch.suites import Suite, _group, load_suite
@@ -85,7 +101,8 @@ def _tasks(args):
       raise ShardzeroError("give --suite, or --models and --meshes")
     hardware = [h.strip() for h in args.hardware.split(",")]
     budgets = [check_budget(b) for b in args.memory_budget.split(",")]
-    tasks = _group(args.models.split(","), [m.strip() for m in args.meshes.split(";") if m.strip()],
+    tasks = _group(split_models(args.models),
+                   [m.strip() for m in args.meshes.split(";") if m.strip()],
                    hardware, budgets, args.batch_per_device, args.preset)
     suite = Suite("command line", "", ("expert", "greedy", "mcts:64", "ilp"), tuple(tasks))
   for hw in {t.hardware for t in suite.tasks}:
@@ -124,17 +141,20 @@ def run(args) -> int:
   _run_units(units, store, args.jobs, quiet)
   rows = ev.with_ratios(store.latest(wanted), store.best_known())
   summary = ev.summarize(rows)
+  splits = {ev.split_of(r["model"]) for r in rows}
+  heldout = ev.summarize(rows, "heldout") if "heldout" in splits and len(splits) > 1 else None
   result = {"suite": suite.name, "agents": agents, "versions": versions,
-            "tasks": [t.key for t in tasks], "results": rows, "summary": summary}
+            "tasks": [t.key for t in tasks], "results": rows, "summary": summary,
+            "summary_heldout": heldout}
   if args.json:
     report.write_json(result, args.json)
   if args.csv:
     _write_csv(rows, args.csv)
   plots = _plot(rows, args.plots) if args.plots else []
   if args.markdown:
-    _write_markdown(args, suite, agents, rows, summary, plots)
+    _write_markdown(args, suite, agents, rows, summary, heldout, plots)
   if not quiet:
-    _print(rows, summary, agents)
+    _print(rows, summary, heldout, agents)
   errors = [r for r in rows if "error" in r]
   for r in errors:
     print(f"shardzero evaluate: {r['agent']} on {r['task']}: {r['error']}", file=sys.stderr)
@@ -157,6 +177,9 @@ def _run_units(units, store, jobs: int, quiet: bool) -> None:
     done += len(rows)
     if ticker:
       ticker.update(done, f"last: {unit.task.model} on {unit.task.mesh}")
+
+  if ticker:
+    ticker.update(0, f"{len(units)} tasks, {jobs} job(s)")
 
   with ticker or _Null():
     if jobs == 1:
@@ -186,7 +209,16 @@ def _ratio(r) -> str:
   return f"{r['ratio']:.2f}" + ("" if r["fits"] else "!")
 
 
-def _print(rows, summary, agents) -> None:
+SUMMARY_COLUMNS = ["agent", "devices", "tasks", "mean ratio", "within 10%", "decision s"]
+
+
+def _summary_row(s) -> list[str]:
+  fmt = lambda x, f: "-" if x is None else f.format(x)
+  return [s["agent"], str(s["devices"]), str(s["tasks"]), fmt(s["mean_ratio"], "{:.3f}"),
+          fmt(s["within_10pct"], "{:.0%}"), fmt(s["mean_decide_s"], "{:.2f}")]
+
+
+def _print(rows, summary, heldout, agents) -> None:
   out = report.console()
   by_task: dict = {}
   for r in rows:
@@ -202,12 +234,9 @@ def _print(rows, summary, agents) -> None:
     out.print(report.table(f"{devices} devices: step time / best known (! over the memory "
                            "budget)", ["model", "mesh", "hardware", "budget"] + agents,
                            table_rows))
-  fmt = lambda x, f: "-" if x is None else f.format(x)
-  out.print(report.table("summary", ["agent", "devices", "tasks", "mean ratio", "within 10%",
-                                     "decision s"],
-                         [(s["agent"], s["devices"], s["tasks"], fmt(s["mean_ratio"], "{:.3f}"),
-                           fmt(s["within_10pct"], "{:.0%}"), fmt(s["mean_decide_s"], "{:.2f}"))
-                          for s in summary]))
+  for title, rows_ in (("summary", summary), ("summary: held-out families", heldout)):
+    if rows_:
+      out.print(report.table(title, SUMMARY_COLUMNS, [_summary_row(s) for s in rows_]))
 
 
 def _write_csv(rows, path: str) -> None:
@@ -245,7 +274,10 @@ def _plot(rows, directory: str) -> list[str]:
     means = [sum(r["ratio"] for r in ok if r["agent"] == a and r["devices"] == d) /
              sum(1 for r in ok if r["agent"] == a and r["devices"] == d) for d in devices]
     ax.plot(devices, means, marker="o", label=a)
-  ax.set(xscale="log", xlabel="devices", ylabel="mean step time / best known",
+  ticks = sorted({r["devices"] for r in ok})
+  ax.set_xscale("log", base=2)
+  ax.set_xticks(ticks, [str(d) for d in ticks])
+  ax.set(xlabel="devices", ylabel="mean step time / best known",
          title="ratio to best known by scale")
   ax.axhline(1.1, color="grey", lw=0.8, ls="--")
   ax.legend(fontsize=8)
@@ -272,7 +304,7 @@ def _plot(rows, directory: str) -> list[str]:
   return paths
 
 
-def _write_markdown(args, suite, agents, rows, summary, plots) -> None:
+def _write_markdown(args, suite, agents, rows, summary, heldout, plots) -> None:
   fmt = lambda x, f: "-" if x is None else f.format(x)
   here = os.path.dirname(os.path.abspath(args.markdown))
   command = "shardzero evaluate " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else \
@@ -282,12 +314,13 @@ def _write_markdown(args, suite, agents, rows, summary, plots) -> None:
                                                   else "") +
            "Ratios are predicted step time over the best known strategy of the task (the "
            "fastest that fits, over every agent and expert evaluated on it); `!` marks a plan "
-           "over the memory budget. Decision time is wall time on the machine that ran it.",
-           "", "## Summary", "", "| agent | devices | tasks | mean ratio | within 10% | "
-           "decision s |", "|---|---:|---:|---:|---:|---:|"]
-  lines += [f"| {s['agent']} | {s['devices']} | {s['tasks']} | {fmt(s['mean_ratio'], '{:.3f}')} "
-            f"| {fmt(s['within_10pct'], '{:.0%}')} | {fmt(s['mean_decide_s'], '{:.2f}')} |"
-            for s in summary]
+           "over the memory budget. Decision time is wall time per episode on the machine that "
+           "ran it."]
+  for title, rows_ in (("Summary", summary), ("Summary: held-out families", heldout)):
+    if rows_:
+      lines += ["", f"## {title}", "", "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+                "|---|" + "---:|" * (len(SUMMARY_COLUMNS) - 1)]
+      lines += ["| " + " | ".join(_summary_row(s)) + " |" for s in rows_]
   lines += [""] + [f"![{os.path.basename(p)}]({os.path.relpath(p, here)})" for p in plots]
   lines += ["", "## Per task", "", "| model | mesh | hardware | budget | " +
             " | ".join(agents) + " |", "|---|---|---|---|" + "---:|" * len(agents)]
@@ -303,12 +336,12 @@ def _write_markdown(args, suite, agents, rows, summary, plots) -> None:
   if ilp:
     lines += ["", "## The ILP", "", "Variables and constraints after candidate selection, "
               "build (simulations of one- and two-action states) and solve time, HiGHS' MIP "
-              "gap, and the linearisation error: the simulator's serial time of the replayed "
-              "actions over the ILP's objective, less one.", "",
-              "| model | mesh | variables | constraints | build s | solve s | gap | "
-              "linearisation error | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "gap (first round), rounds kept, and the linearisation error: the simulator's serial "
+              "time of the first round's actions replayed over that ILP's objective, less one.", "",
+              "| model | mesh | variables | constraints | rounds | build s | solve s | gap | "
+              "linearisation error | ratio |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['model']} | {r['mesh']} | {r['ilp']['variables']} | "
-              f"{r['ilp']['constraints']} | {r['ilp']['build_s']:.1f} | "
+              f"{r['ilp']['constraints']} | {r['ilp']['rounds']} | {r['ilp']['build_s']:.1f} | "
               f"{r['ilp']['solve_s']:.2f} | {fmt(r['ilp']['gap'], '{:.3f}')} | "
               f"{r['ilp']['linearisation_error']:+.1%} | {_ratio(r)} |" for r in ilp]
   with open(args.markdown, "w") as f:

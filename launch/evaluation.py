@@ -10,6 +10,7 @@ models always get the `expert` agent, so every ratio has an expert in its denomi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -21,7 +22,7 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError, WorkloadError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 1, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 1,
+AGENT_VERSIONS = {"expert": 1, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 2,
                   "policy": 2, "policy+mcts": 2}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
@@ -145,8 +146,9 @@ def expand_models(names: Iterable[str], preset: str) -> list[str]:
                           importlib.util.find_spec(head.split(".")[0]) is not None):
       out.append(name)
     else:
-      raise WorkloadError(f"unknown model {name!r}; use a corpus name ({', '.join(corpus.FAMILIES)}),"
-                          f" a split ({', '.join(corpus.SPLITS)}) or module:function")
+      raise WorkloadError(f"unknown model {name!r}; use a corpus name "
+                          f"({', '.join(corpus.FAMILIES)}), a split "
+                          f"({', '.join(corpus.SPLITS)}) or module:function")
   return out
 
 
@@ -186,15 +188,10 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   return {"decide_s": seconds, "simulations": simulations, **extra}
 
 
-
-_POLICIES: dict = {}
-
-
+@functools.lru_cache(maxsize=4)
 def _policy(run: str):
-  if run not in _POLICIES:
-    from agents.learned.inference import load_policy
-    _POLICIES[run] = load_policy(run)
-  return _POLICIES[run]
+  from agents.learned.inference import load_policy
+  return load_policy(run)
 
 
 def _program_size(model: str) -> dict:
@@ -324,11 +321,20 @@ def with_ratios(rows: list[dict], best: dict[str, float]) -> list[dict]:
   return out
 
 
-def summarize(rows: list[dict]) -> list[dict]:
+def split_of(model: str) -> str:
+  """The corpus split of a model's family ("train", "heldout", "real"), or "user"."""
+  import corpus
+  family = corpus.FAMILIES.get(model.partition(":")[0])
+  return family.split if family is not None else "user"
+
+
+def summarize(rows: list[dict], split: str | None = None) -> list[dict]:
   """Per (agent, number of devices): tasks, mean ratio to best known, share within 10% (and
-  fitting), mean decision time."""
+  fitting), mean decision time; over the tasks of one corpus split if given."""
   groups: dict = {}
   for r in rows:
+    if split is not None and split_of(r["model"]) != split:
+      continue
     groups.setdefault((r["agent"], r["devices"]), []).append(r)
   out = []
   for (agent, devices), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):

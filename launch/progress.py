@@ -8,6 +8,7 @@ import csv
 import glob
 import os
 import sys
+import threading
 import time
 
 import numpy as np
@@ -41,7 +42,7 @@ def summary(run_dir: str, since: float) -> dict:
 
 class Ticker:
   """A progress bar over `total` units with an info field, or, when stdout is not a terminal,
-  a line `label: done/total (elapsed) info` at most every `every` seconds and at the end."""
+  a line `label: done/total (elapsed) info` every `every` seconds and at the end."""
 
   def __init__(self, label: str, total: int, every: float = 10.0, unit: str = ""):
     self._label, self._total, self._every, self._unit = label, total, every, unit
@@ -52,16 +53,21 @@ class Ticker:
                          TextColumn("{task.completed}/{task.total}"),
                          TextColumn("{task.fields[info]}"), TimeElapsedColumn()) \
         if self._tty else None
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
 
   def __enter__(self):
     if self._bar is not None:
       self._bar.__enter__()
       self._task = self._bar.add_task(self._label, total=self._total, info="starting...")
+    else:     # a heartbeat, so that one long unit of work is not silence
+      threading.Thread(target=self._beat, daemon=True).start()
     return self
 
   def __exit__(self, *exc):
     if self._bar is not None:
       return self._bar.__exit__(*exc)
+    self._stop.set()
     self._line()
     return False
 
@@ -72,11 +78,17 @@ class Ticker:
     elif time.time() - self._last >= self._every:
       self._line()
 
+  def _beat(self) -> None:
+    while not self._stop.wait(self._every / 4):
+      if time.time() - self._last >= self._every:
+        self._line()
+
   def _line(self) -> None:
-    self._last = time.time()
-    elapsed = int(self._last - self._start)
-    print(f"{self._label}: {self._completed}/{self._total}{self._unit} "
-          f"({elapsed // 60}:{elapsed % 60:02d}) {self._info}".rstrip(), flush=True)
+    with self._lock:
+      self._last = time.time()
+      elapsed = int(self._last - self._start)
+      print(f"{self._label}: {self._completed}/{self._total}{self._unit} "
+            f"({elapsed // 60}:{elapsed % 60:02d}) {self._info}".rstrip(), flush=True)
 
 
 class TrainingProgress:

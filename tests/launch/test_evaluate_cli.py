@@ -51,7 +51,8 @@ def test_parallel_jobs_ratios_and_resume(capsys, suite, tmp_path):
   # A re-run evaluates nothing and reports the same; a new agent adds only its own rows.
   code, again, _ = _evaluate(capsys, "--suite", suite, "--store", store)
   assert code == 0 and again["results"] == rows
-  code, more, _ = _evaluate(capsys, "--suite", suite, "--store", store, "--agents", "greedy,beam:20")
+  code, more, _ = _evaluate(capsys, "--suite", suite, "--store", store,
+                            "--agents", "greedy,beam:20")
   assert code == 0 and len(more["results"]) == 4
   with open(store) as f:
     assert len(f.readlines()) == 2 * 4 + 2
@@ -59,9 +60,10 @@ def test_parallel_jobs_ratios_and_resume(capsys, suite, tmp_path):
 
 def test_tables_csv_plots_and_markdown(capsys, tmp_path):
   store, out_dir = str(tmp_path / "r.jsonl"), tmp_path / "out"
-  code, out, _ = run(capsys, "evaluate", "--models", "mlp:small", "--meshes", "batch=8;batch=2,model=4",
-                     "--agents", "expert,greedy", "--store", store, "--csv", str(tmp_path / "r.csv"),
-                     "--plots", str(out_dir), "--markdown", str(tmp_path / "report.md"))
+  code, out, _ = run(capsys, "evaluate", "--models", "mlp:small", "--meshes",
+                     "batch=8;batch=2,model=4", "--agents", "expert,greedy", "--store", store,
+                     "--csv", str(tmp_path / "r.csv"), "--plots", str(out_dir),
+                     "--markdown", str(tmp_path / "report.md"))
   assert code == 0
   assert "8 devices: step time / best known" in out and "summary" in out
   with open(tmp_path / "r.csv") as f:
@@ -118,3 +120,12 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, tmp_path, argv, message):
   code, _, err = run(capsys, "evaluate", *argv, "--store", str(tmp_path / "r.jsonl"))
   assert code == 2
   assert err.count("\n") == 1 and message in err, err
+
+
+def test_models_keep_their_knobs_when_split():
+  from launch.evaluate_command import split_models
+  assert split_models("heldout,gpt:350m,batch=256;t5:mini") == [
+      "heldout", "gpt:350m,batch=256", "t5:mini"]
+  assert split_models("gpt:mini,batch=8,seq=64,mlp:small") == ["gpt:mini,batch=8,seq=64",
+                                                              "mlp:small"]
+  assert split_models("mlp:small;batch=8") == ["mlp:small", "batch=8"]   # then: unknown model
