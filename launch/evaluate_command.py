@@ -88,8 +88,8 @@ def split_models(text: str) -> list[str]:
 
 
 def _tasks(args):
-  from launch.evaluation import EvalTask, check_budget
-  from launch.suites import Suite, _group, load_suite
+  from launch.evaluation import check_budget
+  from launch.suites import Suite, load_suite, task_group
   from partitioner.cost import load_hardware
   from partitioner.errors import ShardzeroError
   if args.suite and (args.models or args.meshes):
@@ -101,7 +101,7 @@ def _tasks(args):
       raise ShardzeroError("give --suite, or --models and --meshes")
     hardware = [h.strip() for h in args.hardware.split(",")]
     budgets = [check_budget(b) for b in args.memory_budget.split(",")]
-    tasks = _group(split_models(args.models),
+    tasks = task_group(split_models(args.models),
                    [m.strip() for m in args.meshes.split(";") if m.strip()],
                    hardware, budgets, args.batch_per_device, args.preset)
     suite = Suite("command line", "", ("expert", "greedy", "mcts:64", "ilp"), tuple(tasks))
@@ -283,23 +283,23 @@ def _plot(rows, directory: str) -> list[str]:
   ax.legend(fontsize=8)
   save(fig, "ratio_by_devices.png")
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for a in agents:
-    pts = sorted((r["parameters"], r["ratio"]) for r in ok if r["agent"] == a)
-    ax.plot(*zip(*pts), marker="o", ls="", alpha=0.7, label=a)
-  ax.set(xscale="log", xlabel="parameters", ylabel="step time / best known",
-         title="ratio to best known by model size")
-  ax.axhline(1.1, color="grey", lw=0.8, ls="--")
-  ax.legend(fontsize=8)
-  save(fig, "ratio_by_size.png")
+  def scatter(x, y, title, **axes):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for a in agents:
+      ax.plot(*zip(*sorted((x(r), y(r)) for r in ok if r["agent"] == a)), marker="o", ls="",
+              alpha=0.7, label=a)
+    ax.set(xscale="log", title=title, **axes)
+    ax.legend(fontsize=8)
+    return fig, ax
 
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for a in agents:
-    pts = sorted((r["ops"], max(r["decide_s"], 1e-4)) for r in ok if r["agent"] == a)
-    ax.plot(*zip(*pts), marker="o", ls="", alpha=0.7, label=a)
-  ax.set(xscale="log", yscale="log", xlabel="ops in the training step",
-         ylabel="decision time (s)", title="decision time by program size")
-  ax.legend(fontsize=8)
+  fig, ax = scatter(lambda r: r["parameters"], lambda r: r["ratio"],
+                    "ratio to best known by model size", xlabel="parameters",
+                    ylabel="step time / best known")
+  ax.axhline(1.1, color="grey", lw=0.8, ls="--")
+  save(fig, "ratio_by_size.png")
+  fig, _ = scatter(lambda r: r["ops"], lambda r: max(r["decide_s"], 1e-4),
+                   "decision time by program size", yscale="log",
+                   xlabel="ops in the training step", ylabel="decision time (s)")
   save(fig, "decision_time.png")
   return paths
 

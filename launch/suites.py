@@ -31,8 +31,10 @@ class Suite(NamedTuple):
   tasks: tuple[EvalTask, ...]
 
 
-def _group(models, meshes, hardware=("h100",), budgets=("device",), batch_per_device=None,
-           preset: str = "mini") -> list[EvalTask]:
+def task_group(models, meshes, hardware=("h100",), budgets=("device",),
+               batch_per_device=None, preset: str = "mini") -> list[EvalTask]:
+  """Every (model, mesh, hardware, budget) of the lists; `batch_per_device` scales each corpus
+  model's batch with the mesh."""
   from partitioner.mesh import Mesh
   if isinstance(models, str) or isinstance(meshes, str):
     raise WorkloadError("a suite's models and meshes are lists")
@@ -47,30 +49,33 @@ def _group(models, meshes, hardware=("h100",), budgets=("device",), batch_per_de
   return out
 
 
-# Held-out families at `mini` on one H100 node, and two of them at 64 and 256 devices: a few
-# minutes on 2 cores with every non-learned agent.
 def _quick() -> Suite:
-  return Suite(
-    "quick", "held-out minis on 8 H100s; MoE and T5 at 64 and 256 (weak scaling)",
-    ("expert", "greedy", "mcts:64", "ilp"),
-    tuple(_group(["heldout"], ["batch=4,model=2"]) +
-          _group(["moe:mini", "t5:mini"], ["batch=8,model=8", "batch=32,model=8"],
-                 batch_per_device=2)))
+  """Held-out families at `mini` on one H100 node, and two of them at 64 and 256 devices: a
+  few minutes on 2 cores with every non-learned agent."""
+  tasks = (task_group(["heldout"], ["batch=4,model=2"]) +
+           task_group(["moe:mini", "t5:mini"], ["batch=8,model=8", "batch=32,model=8"],
+                      batch_per_device=2))
+  return Suite("quick", "held-out minis on 8 H100s; MoE and T5 at 64 and 256 (weak scaling)",
+               ("expert", "greedy", "mcts:64", "ilp"), tuple(tasks))
+
 
 _H100 = ["batch=2,model=4", "batch=8,model=8", "batch=32,model=8", "batch=128,model=8",
          "batch=512,model=8"]
 _V5P = ["batch=64,model=4", "batch=256,model=16"]
 
-# Alpa's yardstick (GPT 350M to 6.7B, MoE, a Wide-ResNet-like convnet; weak scaling) extended
-# to 4096 devices, on H100 nodes of 8 and TPU v5p pods, with the held-out families beside.
+
 def _scales() -> Suite:
-  return Suite(
-    "scales", "GPT 350M-6.7B, MoE, wide ResNet and the held-out families, 8 to 4096 devices",
-    ("expert", "greedy", "mcts:100", "ilp"),
-    tuple(_group(["gpt:350m", "gpt:1.3b", "gpt:6.7b", "moe:base", "resnet:50,width=128",
-                  "t5:large", "unet:base", "ssm:large"], _H100, batch_per_device=2) +
-          _group(["gpt:1.3b", "moe:base", "t5:large"], _V5P, ["tpu-v5p"],
-                 batch_per_device=2)))
+  """Alpa's yardstick (GPT 350M to 6.7B, MoE, a Wide-ResNet-like convnet; weak scaling)
+  extended to 4096 devices, on H100 nodes of 8 and TPU v5p pods, with the held-out families
+  beside."""
+  models = ["gpt:350m", "gpt:1.3b", "gpt:6.7b", "moe:base", "resnet:50,width=128", "t5:large",
+            "unet:base", "ssm:large"]
+  tasks = (task_group(models, _H100, batch_per_device=2) +
+           task_group(["gpt:1.3b", "moe:base", "t5:large"], _V5P, ["tpu-v5p"],
+                      batch_per_device=2))
+  return Suite("scales", "GPT 350M-6.7B, MoE, wide ResNet and the held-out families, 8 to "
+               "4096 devices", ("expert", "greedy", "mcts:100", "ilp"), tuple(tasks))
+
 
 SUITES = {"quick": _quick, "scales": _scales}   # built when asked for: they import the corpus
 
@@ -97,7 +102,7 @@ def load_suite(name: str) -> Suite:
     if unknown or not isinstance(g, dict) or "models" not in g or "meshes" not in g:
       raise WorkloadError(f"{name}: task group {i} needs models and meshes"
                           + (f"; unknown keys {sorted(unknown)}" if unknown else ""))
-    tasks += _group(**{k: ([str(x) for x in v] if isinstance(v, list) else v)
+    tasks += task_group(**{k: ([str(x) for x in v] if isinstance(v, list) else v)
                        for k, v in g.items()})
   agents = tuple(str(a) for a in data.get("agents", ("expert", "greedy", "mcts:64")))
   return Suite(os.path.basename(name), str(data.get("description", "")), agents, tuple(tasks))
