@@ -129,3 +129,18 @@ def test_models_keep_their_knobs_when_split():
   assert split_models("gpt:mini,batch=8,seq=64,mlp:small") == ["gpt:mini,batch=8,seq=64",
                                                               "mlp:small"]
   assert split_models("mlp:small;batch=8") == ["mlp:small", "batch=8"]   # then: unknown model
+
+
+def test_summary_counts_only_fitting_results_within_10pct_and_filters_by_split():
+  from launch.evaluation import summarize, with_ratios
+  row = lambda agent, model, step, fits: {"agent": agent, "task": model, "model": model,
+                                           "devices": 64, "step_time_s": step, "fits": fits,
+                                           "decide_s": 1.0}
+  rows = with_ratios([row("a", "t5:mini", 1.05, True), row("a", "gpt:mini", 2.0, True),
+                      row("b", "t5:mini", 1.0, False), row("b", "gpt:mini", 1.0, True)],
+                     {"t5:mini": 1.0, "gpt:mini": 1.0})
+  (a, b) = summarize(rows)
+  assert (a["agent"], a["mean_ratio"], a["within_10pct"]) == ("a", 1.525, 0.5)
+  assert (b["agent"], b["mean_ratio"], b["within_10pct"]) == ("b", 1.0, 0.5)   # over budget
+  (a, b) = summarize(rows, "heldout")                                         # t5 only
+  assert (a["tasks"], a["mean_ratio"], b["within_10pct"]) == (1, 1.05, 0.0)
