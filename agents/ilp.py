@@ -13,9 +13,9 @@ the log of compute plus collective time and the memory constraint the log of pea
 logs, sharding over two axes is the sum of sharding over each).
 
 What a pairwise model misses (three actions together) is its linearisation error: the solution
-is replayed and costed by the full simulator, its best prefix kept, and a further round
-linearises around the state reached while that improves it. Solved with HiGHS through
-`scipy.optimize.milp`, with a time limit; the MIP gap is reported.
+is replayed and costed by the full simulator, actions are dropped from it while that helps,
+and a further round linearises around the state reached while that improves it. Solved with
+HiGHS through `scipy.optimize.milp`, with a time limit; the MIP gap is reported.
 """
 
 from __future__ import annotations
@@ -185,22 +185,32 @@ def _round(env: PartitioningEnv, time_limit_s: float, manual: bool) -> _Round:
       dt[keep], dm[keep], et[np.ix_(keep, keep)], em[np.ix_(keep, keep)],
       math.log(budget) - m0, steps_left - 1, time_limit_s)
   solve_s = time.perf_counter() - t_solve
-  # Replay in order (an action made illegal by two others is skipped) and keep the best
-  # prefix: where three or more actions together undo what pairs promised, the replay stops
-  # before them rather than pay for them.
-  replay, skipped, trial = [], [], env.clone()
-  best, best_len = env, 0
-  for i in np.flatnonzero(z):
-    a = choices[keep[i]]
-    if a not in trial.legal_actions():
+  # Replay in order (an action made illegal by two others is skipped), then drop actions
+  # while that helps: where three or more actions together undo what pairs promised, the
+  # action that breaks the rest is left out rather than paid for.
+  chosen = [choices[keep[i]] for i in np.flatnonzero(z)]
+  whole, skipped = _replay(env, chosen)
+  best, kept = whole, [a for a in chosen if a not in skipped]
+  while kept:
+    trials = [(_replay(env, kept[:i] + kept[i + 1:])[0], i) for i in range(len(kept))]
+    sims += len(kept) * (len(kept) - 1)
+    trial, i = min(trials, key=lambda t: _standing(t[0]))
+    if _standing(trial) >= _standing(best):
+      break
+    best, kept = trial, kept[:i] + kept[i + 1:]
+  return _Round(best, best.history[len(env.history):], tuple(skipped), t0 + objective,
+                _serial(whole.cost), m0 + memory, status, gap, size, sims, build_s, solve_s)
+
+
+def _replay(env: PartitioningEnv, actions) -> tuple[PartitioningEnv, tuple[int, ...]]:
+  """`env` after `actions` in order, skipping those illegal when their turn comes."""
+  trial, skipped = env.clone(), []
+  for a in actions:
+    if a in trial.legal_actions():
+      trial.step(a)
+    else:
       skipped.append(a)
-      continue
-    trial.step(a)
-    replay.append(a)
-    if _standing(trial) < _standing(best):
-      best, best_len = trial.clone(), len(replay)
-  return _Round(best, tuple(replay[:best_len]), tuple(skipped), t0 + objective,
-                _serial(trial.cost), m0 + memory, status, gap, size, sims, build_s, solve_s)
+  return trial, tuple(skipped)
 
 
 def _candidates(dt, dm, et, em, count: int) -> np.ndarray:
