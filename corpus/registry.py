@@ -112,16 +112,25 @@ def build(spec: str, abstract: bool | None = None) -> Workload:
   return Workload(spec, train_step, tuple(args))
 
 
-def load(spec: str, abstract: bool | None = None) -> Workload:
-  """A corpus name, or a user's `module:function` / `path.py:function`."""
+def check_name(spec: str) -> None:
+  """Refuses, without tracing or importing anything, a spec that names neither a corpus entry
+  (bad presets and knobs included) nor a plausible `module:function` / `path.py:function`."""
   head = spec.partition(":")[0]
   if head in FAMILIES:
-    return build(spec, abstract)
+    parse(spec)
+    return
   if ":" not in spec:
     raise WorkloadError(f"unknown model {spec!r}; use a corpus name ({', '.join(FAMILIES)}) "
                         "or module:function / path.py:function")
   if re.fullmatch(r"[A-Za-z_]\w*", head) and importlib.util.find_spec(head) is None:
     raise WorkloadError(f"unknown model {spec!r}: {head!r} is neither a corpus family "
                         f"({', '.join(FAMILIES)}) nor an importable module")
+
+
+def load(spec: str, abstract: bool | None = None) -> Workload:
+  """A corpus name, or a user's `module:function` / `path.py:function`."""
+  check_name(spec)
+  if spec.partition(":")[0] in FAMILIES:
+    return build(spec, abstract)
   workload = load_user(spec)
   return workload._replace(args=abstractify(workload.args)) if abstract else workload

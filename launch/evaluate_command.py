@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -14,8 +15,9 @@ DESCRIPTION = """\
 Runs every agent on every task (a model on a mesh, hardware and memory budget) and reports
 each one's predicted step time as a ratio to the best strategy known for the task: the fastest
 that fits the budget over every agent ever evaluated on it, experts included (corpus models
-always get the expert agent). Results are kept in --store, one JSON line per (agent, agent
-version, task), so a re-run evaluates only what is missing and best-known figures only improve.
+always get the expert agent; models of your own have no expert, so it is left out there).
+Results are kept in --store, one JSON line per (agent, agent version, task), so a re-run
+evaluates only what is missing and best-known figures only improve.
 
 Agents:
   expert                  the best of the family's expert strategies
@@ -130,8 +132,9 @@ def run(args) -> int:
           file=sys.stderr)
   wanted, units = [], []
   for task in tasks:
-    names = agents + (["expert"] if "expert" not in agents and
-                      task.model.partition(":")[0] in corpus.FAMILIES else [])
+    # The expert is only defined for corpus models: every one gets it, others never do.
+    names = [a for a in agents if a != "expert"] + (
+        ["expert"] if task.model.partition(":")[0] in corpus.FAMILIES else [])
     keys = [(a, versions[a], task.key, args.max_steps, args.seed) for a in names]
     wanted += [k for k in keys if k[0] in agents]
     missing = tuple((k[0], k[1]) for k in keys if not store.has(k))
@@ -181,7 +184,7 @@ def _run_units(units, store, jobs: int, quiet: bool) -> None:
   if ticker:
     ticker.update(0, f"{len(units)} tasks, {jobs} job(s)")
 
-  with ticker or _Null():
+  with ticker or contextlib.nullcontext():
     if jobs == 1:
       for unit in units:
         finished(unit, run_unit(unit))
@@ -193,14 +196,6 @@ def _run_units(units, store, jobs: int, quiet: bool) -> None:
       futures = {pool.submit(run_unit, u): u for u in units}
       for f in concurrent.futures.as_completed(futures):
         finished(futures[f], f.result())
-
-
-class _Null:
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    return False
 
 
 def _ratio(r) -> str:

@@ -100,55 +100,49 @@ class EvalTask:
 
   def resolve(self):
     """The environment's `Task`, with the budget in bytes."""
-    from environments import Task, parse_bytes
+    from environments import Task
     from environments.tasks import tight_budget
     task = Task(self.model, self.mesh, self.hardware)
-    if self.budget == "device":
-      return task
-    try:
-      fraction = float(self.budget)
-    except ValueError:
-      return dataclasses.replace(task, memory_budget=parse_bytes(self.budget))
-    if 0 < fraction <= 1:
-      return dataclasses.replace(task, memory_budget=tight_budget(task, fraction))
-    return dataclasses.replace(task, memory_budget=parse_bytes(self.budget))
+    budget = parse_budget(self.budget)
+    if isinstance(budget, float):
+      budget = tight_budget(task, budget)
+    return dataclasses.replace(task, memory_budget=budget)
+
+
+def parse_budget(text: str) -> int | float | None:
+  """None for "device", a float for a tight fraction in (0, 1], else bytes; bad ones are a
+  `WorkloadError`."""
+  from environments import parse_bytes
+  text = str(text).strip()
+  if text == "device":
+    return None
+  try:
+    fraction = float(text)
+  except ValueError:
+    return parse_bytes(text)
+  return fraction if 0 < fraction <= 1 else parse_bytes(text)
 
 
 def check_budget(text: str) -> str:
-  """A memory budget as tasks take it; bad ones are a `WorkloadError`."""
-  from environments import parse_bytes
-  text = str(text).strip()
-  if text != "device":
-    try:
-      if not 0 < float(text) <= 1:
-        parse_bytes(text)
-    except ValueError:
-      parse_bytes(text)
-  return text
+  """A memory budget as tasks take it (checked)."""
+  parse_budget(text)
+  return str(text).strip()
 
 
 def expand_models(names: Iterable[str], preset: str) -> list[str]:
   """Corpus names, family names (at `preset`), split names (their families at `preset`) and
   user `module:function`s; unknown ones are a one-line `WorkloadError`."""
-  import importlib.util
   import corpus
+  from corpus.registry import check_name
   out = []
   for name in (n.strip() for n in names):
-    head = name.partition(":")[0]
     if name in corpus.SPLITS:
       out += [f"{f}:{preset}" for f in corpus.split(name)]
     elif name in corpus.FAMILIES:
       out.append(f"{name}:{preset}")
-    elif head in corpus.FAMILIES:
-      corpus.parse(name)
-      out.append(name)
-    elif ":" in name and (os.path.exists(head) or
-                          importlib.util.find_spec(head.split(".")[0]) is not None):
-      out.append(name)
     else:
-      raise WorkloadError(f"unknown model {name!r}; use a corpus name "
-                          f"({', '.join(corpus.FAMILIES)}), a split "
-                          f"({', '.join(corpus.SPLITS)}) or module:function")
+      check_name(name)
+      out.append(name)
   return out
 
 
@@ -161,7 +155,6 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   if spec.kind.startswith("policy"):
     from agents.learned.inference import play_policy
     policy = _policy(spec.run)
-    env.reset()
     seconds, simulations = play_policy(env, policy, "mcts" if spec.kind == "policy+mcts" else
                                        "greedy", spec.number or 1)
     return {"decide_s": seconds, "simulations": simulations}

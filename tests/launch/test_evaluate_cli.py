@@ -144,3 +144,12 @@ def test_summary_counts_only_fitting_results_within_10pct_and_filters_by_split()
   assert (b["agent"], b["mean_ratio"], b["within_10pct"]) == ("b", 1.0, 0.5)   # over budget
   (a, b) = summarize(rows, "heldout")                                         # t5 only
   assert (a["tasks"], a["mean_ratio"], b["within_10pct"]) == (1, 1.05, 0.0)
+
+
+def test_a_user_model_is_evaluated_without_the_expert(capsys, tmp_path):
+  code, data, _ = _evaluate(capsys, "--models", "tests/launch/user_model.py:workload",
+                            "--meshes", "batch=2", "--agents", "expert,greedy",
+                            "--store", str(tmp_path / "r.jsonl"))
+  assert code == 0
+  (row,) = data["results"]
+  assert row["agent"] == "greedy" and row["ratio"] == 1.0 and "error" not in row
