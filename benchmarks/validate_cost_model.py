@@ -9,6 +9,8 @@ docs/validation.md and benchmarks/results/validation.json.
    prediction for --hardware (default: the host CPU spec; on a GPU machine use its name), and
    the Spearman rank correlation per model. On CPU devices absolute numbers mean little; the
    ordering is what is compared.
+4. Step time on one GPU: the table `benchmarks/gpu_step_times.py` measured on a lent GPU
+   (docs/gpu/*.json), carried over as it stands, since this machine has none.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
     "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 import corpus  # noqa: E402
+import gpu_step_times  # noqa: E402
 import partitioner as P  # noqa: E402
 from partitioner.cost import simulate  # noqa: E402
 from partitioner.hlo import hlo_collectives, memory_footprint  # noqa: E402
@@ -181,7 +185,10 @@ def main(argv=None) -> int:
       timed += rows
       correlations[m] = rho
   device = f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices"
-  Path(args.out).write_text(render(checked, timed, correlations, args.hardware, device))
+  text = render(checked, timed, correlations, args.hardware, device)
+  for table in sorted(Path("docs/gpu").glob("*.json")):
+    text += "\n" + gpu_step_times.render(json.loads(table.read_text()))
+  Path(args.out).write_text(text)
   results = Path("benchmarks/results/validation.json")
   results.parent.mkdir(parents=True, exist_ok=True)
   results.write_text(json.dumps({"checked": checked, "timed": timed,

@@ -1,0 +1,303 @@
+"""Single-GPU step times of corpus models next to the simulator's compute model.
+
+The GPU machine runs whatever JAX it has (not this project's pinned stack), so the programs
+travel as StableHLO, whose portable bytecode newer XLA reads back:
+
+  export  (here, pinned stack)  each model's training step as StableHLO bytecode for CUDA,
+                                its argument shapes, and the simulator's prediction for one
+                                device of --hardware (step time, FLOPs, HBM bytes, peak memory)
+  measure (on the GPU, any JAX) compiles each program, times it on random arguments (median
+                                of --repeat runs after two warm-ups) and reads XLA's
+                                memory_analysis() and cost_analysis()
+  render  (here)                joins the two into a markdown table (docs/validation.md takes
+                                it through benchmarks/validate_cost_model.py)
+
+  python benchmarks/gpu_step_times.py export --dir build/gpu
+  python benchmarks/gpu_step_times.py measure --dir build/gpu --out build/gpu/measured.json
+  python benchmarks/gpu_step_times.py render --dir build/gpu --measured build/gpu/measured.json \
+      --out docs/gpu/h100_step_times.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+MODELS = [  # realistic widths that fit one 80 GB card without partitioning
+    "mlp:mini", "gpt:mini", "bert:mini", "vit:mini", "resnet:mini", "gnn:mini",
+    "t5:mini", "moe:mini", "unet:mini", "ssm:mini",
+    "hf_gpt2:mini", "hf_gpt2:mini,dtype=bfloat16", "hf_bert:mini,dtype=bfloat16",
+    "gpt:125m,batch=8", "vit:base,batch=128",
+]
+
+
+def slug(model: str) -> str:
+  return re.sub(r"[^A-Za-z0-9.]+", "_", model)
+
+
+# ----------------------------------------------------------------------------------- export
+def export(directory: Path, models: list[str], hardware: str, platform: str) -> None:
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  import jax
+  import numpy as np
+  from jax import export as jax_export
+
+  import corpus
+  import partitioner as P
+  from partitioner.cost import simulate
+
+  directory.mkdir(parents=True, exist_ok=True)
+  for model in models:
+    t0 = time.perf_counter()
+    workload = corpus.load(model, abstract=False)   # real token ids bound the random ones
+    leaves, tree = jax.tree.flatten(workload.args)
+
+    def flat(*xs, fn=workload.fn, tree=tree):
+      return jax.tree.leaves(fn(*jax.tree.unflatten(tree, xs)))
+
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves]
+    exported = jax_export.export(jax.jit(flat), platforms=(platform,))(*avals)
+    (directory / f"{slug(model)}.mlirbc").write_bytes(exported.mlir_module_serialized)
+    ints = [int(np.asarray(a).max()) if np.issubdtype(a.dtype, np.integer) and
+            isinstance(a, (np.ndarray, jax.Array)) else None for a in leaves]
+    program = P.trace(workload.fn, *workload.args)
+    pp = P.apply(program, "batch=1", "")
+    cost = simulate(pp, hardware, donate=False)
+    split = kernel_split(pp, hardware)
+    meta = {
+        "model": model,
+        "inputs": [[list(a.shape), str(a.dtype)] for a in exported.in_avals],
+        "outputs": [[list(a.shape), str(a.dtype)] for a in exported.out_avals],
+        "kept": list(exported.module_kept_var_idx),
+        "int_max": ints,
+        "ops": program.num_ops,
+        "hardware": hardware,
+        "predicted": {"step_s": cost.step_time_s, "compute_s": cost.compute_s,
+                      "flops": cost.flops, "hbm_bytes": cost.hbm_bytes,
+                      "peak_bytes": cost.memory.peak_bytes,
+                      "argument_bytes": cost.memory.argument_bytes, **split},
+    }
+    (directory / f"{slug(model)}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"exported {model}: {program.num_ops} ops, predicted "
+          f"{cost.step_time_s * 1e3:.2f} ms on {hardware} ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
+
+
+def kernel_split(pp, hardware) -> dict:
+  """The predicted compute time split between fused kernels holding a matmul or convolution
+  and the rest (elementwise, reductions, gathers: bound by HBM traffic), and the kernel count."""
+  import numpy as np
+  from partitioner.cost import simulator as S
+  sim = S.Simulator(pp.program, pp.mesh, S.load_hardware(hardware), None, False)
+  work, hw = sim.work, sim.hardware
+  _, flops, nbytes = sim.costs(pp)
+  compute = np.bincount(work.group, flops / sim.rate, minlength=work.groups)
+  memory = np.bincount(work.group, nbytes, minlength=work.groups) / (
+      hw.hbm_bandwidth * hw.efficiency["memory"])
+  kernels = np.maximum(compute, memory)
+  dense = np.zeros(work.groups, bool)
+  dense[work.group[[i for i, w in enumerate(work.work) if w.kind in ("matmul", "conv")]]] = True
+  return {"matmul_kernels_s": float(kernels[dense].sum()),
+          "other_kernels_s": float(kernels[~dense].sum()), "kernels": int(work.groups)}
+
+
+# ---------------------------------------------------------------------------------- measure
+def _exported(jax, meta: dict, bytecode: bytes, platform: str):
+  """An `Exported` of this JAX version around bytecode from another: a stand-in with the
+  right argument shapes, with the module, results and calling convention replaced."""
+  from jax import export as jax_export
+  ins = [jax.ShapeDtypeStruct(tuple(s), d) for s, d in meta["inputs"]]
+  outs = [jax.core.ShapedArray(tuple(s), d) for s, d in meta["outputs"]]
+  stand_in = jax_export.export(jax.jit(lambda *x: list(x)), platforms=(platform,))(*ins)
+  changes = dict(out_avals=tuple(outs), out_tree=jax.tree.structure([0] * len(outs)),
+                 out_shardings_hlo=(None,) * len(outs), mlir_module_serialized=bytecode,
+                 calling_convention_version=9, module_kept_var_idx=tuple(meta["kept"]))
+  named = getattr(stand_in, "_out_named_shardings", None)   # newer JAX keeps these too
+  if named:
+    changes["_out_named_shardings"] = tuple(named[:1]) * len(outs)
+  return dataclasses.replace(stand_in, **changes)
+
+
+def _median_s(jax, fn, *args, repeat=10) -> float:
+  import numpy as np
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeat):
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def ceilings(jax, n: int = 8192) -> dict:
+  """What the card reaches through this JAX: an n^3 matmul in bf16 and in f32 at the
+  default precision and at HIGHEST, and a copy of 64 n^2 bytes (4 GiB), read + write."""
+  out = {}
+  for name, dtype, precision in (("matmul_bf16", "bfloat16", None),
+                                 ("matmul_f32_default", "float32", None),
+                                 ("matmul_f32_highest", "float32", "highest")):
+    a = jax.random.uniform(jax.random.PRNGKey(1), (n, n), dtype)
+    b = jax.random.uniform(jax.random.PRNGKey(2), (n, n), dtype)
+    f = jax.jit(lambda x, y, p=precision: jax.numpy.matmul(x, y, precision=p))
+    out[name + "_tflops"] = 2 * n**3 / _median_s(jax, f, a, b) / 1e12
+  x = jax.random.uniform(jax.random.PRNGKey(3), (16 * n * n,), "float32")
+  out["copy_tb_s"] = 2 * x.nbytes / _median_s(jax, jax.jit(lambda v: v * 1.0001), x) / 1e12
+  return out
+
+
+def measure(directory: Path, out: Path, repeat: int, ceiling_size: int = 8192) -> None:
+  import jax
+  import numpy as np
+
+  device = jax.devices()[0]
+  results = {"device": device.device_kind, "jax": jax.__version__, "models": {}}
+  results["ceilings"] = ceilings(jax, ceiling_size)
+  print("ceilings:", {k: round(v, 1) for k, v in results["ceilings"].items()}, flush=True)
+  for meta_path in sorted(directory.glob("*.json")):
+    meta = json.loads(meta_path.read_text())
+    if "model" not in meta:
+      continue
+    model = meta["model"]
+    try:
+      exported = _exported(jax, meta, meta_path.with_suffix(".mlirbc").read_bytes(),
+                           "cuda" if device.platform == "gpu" else device.platform)
+      key = jax.random.PRNGKey(0)
+      args = []
+      for (shape, dtype), top in zip(meta["inputs"], meta["int_max"]):
+        key, sub = jax.random.split(key)
+        if np.issubdtype(np.dtype(dtype), np.integer):
+          args.append(jax.random.randint(sub, shape, 0, max(top or 0, 0) + 1, dtype))
+        else:   # positive, so Adam's second moments stay valid
+          args.append(jax.random.uniform(sub, shape, dtype, 0.0, 0.02))
+      fn = jax.jit(exported.call)
+      t0 = time.perf_counter()
+      compiled = fn.lower(*args).compile()
+      compile_s = time.perf_counter() - t0
+      for _ in range(2):
+        jax.block_until_ready(compiled(*args))
+      times = []
+      for _ in range(repeat):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - t)
+      mem = compiled.memory_analysis()
+      cost = compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      results["models"][model] = {
+          "step_s": float(np.median(times)), "min_s": float(np.min(times)),
+          "compile_s": compile_s,
+          "xla_flops": float(cost.get("flops", 0.0)),
+          "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+          "xla_footprint": int(mem.argument_size_in_bytes + mem.output_size_in_bytes +
+                               mem.temp_size_in_bytes - mem.alias_size_in_bytes),
+          "xla_temp": int(mem.temp_size_in_bytes)}
+      r = results["models"][model]
+      print(f"{model:34s} {r['step_s'] * 1e3:9.2f} ms (predicted "
+            f"{meta['predicted']['step_s'] * 1e3:8.2f}), compile {compile_s:5.1f} s", flush=True)
+    except Exception as e:  # one model that fails must not lose the others
+      results["models"][model] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+      print(f"{model}: {results['models'][model]['error']}", flush=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    del args
+
+
+# ----------------------------------------------------------------------------------- render
+def join(directory: Path, measured: dict) -> dict:
+  rows = []
+  for meta_path in sorted(directory.glob("*.json")):
+    meta = json.loads(meta_path.read_text())
+    m = measured["models"].get(meta.get("model"))
+    if m is None:
+      continue
+    rows.append({**{k: meta[k] for k in ("model", "ops", "hardware", "predicted")},
+                 "measured": m})
+  order = {m: i for i, m in enumerate(MODELS)}
+  rows.sort(key=lambda r: order.get(r["model"], len(order)))
+  return {"device": measured["device"], "jax": measured["jax"],
+          "ceilings": measured["ceilings"], "rows": rows}
+
+
+CEILINGS = {"matmul_bf16_tflops": "bf16 matmul TFLOP/s",
+            "matmul_f32_default_tflops": "f32 matmul at the default precision TFLOP/s",
+            "matmul_f32_highest_tflops": "f32 matmul at HIGHEST TFLOP/s",
+            "copy_tb_s": "copy TB/s (read + write)"}
+
+
+def render(table: dict) -> str:
+  """The markdown section docs/validation.md carries."""
+  lines = [f"## Step time on one GPU: predicted ({table['rows'][0]['hardware']}) vs measured "
+           f"on {table['device']}", "",
+           f"Each model's unpartitioned training step, compiled by the GPU machine's JAX "
+           f"{table['jax']} from the StableHLO that this project's JAX exports "
+           "(`benchmarks/gpu_step_times.py`), median of timed runs on random arguments. "
+           "TFLOP/s reached counts the program's FLOPs (exact for matmuls and convolutions; XLA's "
+           "GPU cost analysis leaves out the FLOPs of library GEMMs, so its count is not used). "
+           "Bytes: the simulator's HBM traffic at fused-kernel boundaries over XLA's `bytes "
+           "accessed` estimate. Memory: the simulator's peak without donation over XLA's "
+           "arguments + outputs + temporaries.", "",
+           "Ceilings measured in the same run (8192^3 matmuls, a 4 GiB copy): " + ", ".join(
+               f"{CEILINGS[k]} {v:.1f}" for k, v in table["ceilings"].items()) + ".", "",
+           "| model | measured ms | predicted ms | ratio | predicted matmul + other ms | kernels "
+           "| TFLOP/s reached | bytes pred / XLA | memory pred / XLA |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+  ratios = []
+  for r in table["rows"]:
+    m, p = r["measured"], r["predicted"]
+    if "error" in m:
+      lines.append(f"| {r['model']} | failed: {m['error'][:80]} | | | | | | | |")
+      continue
+    ratio = p["step_s"] / m["step_s"]
+    ratios.append(ratio)
+    f = lambda a, b: f"{a / b:.2f}" if b else "n/a"
+    lines.append(f"| {r['model']} | {m['step_s'] * 1e3:.2f} | {p['step_s'] * 1e3:.2f} | "
+                 f"{ratio:.2f} | {p['matmul_kernels_s'] * 1e3:.1f} + "
+                 f"{p['other_kernels_s'] * 1e3:.1f} | {p['kernels']} | "
+                 f"{p['flops'] / m['step_s'] / 1e12:.0f} | "
+                 f"{f(p['hbm_bytes'], m['xla_bytes_accessed'])}"
+                 f" | {f(p['peak_bytes'], m['xla_footprint'])} |")
+  if ratios:
+    import numpy as np
+    lines += ["", f"Predicted / measured step time: geometric mean "
+              f"{float(np.exp(np.mean(np.log(ratios)))):.2f}, range {min(ratios):.2f} to "
+              f"{max(ratios):.2f} over {len(ratios)} models."]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  e = sub.add_parser("export", help="write StableHLO and predictions (pinned stack)")
+  e.add_argument("--dir", type=Path, required=True)
+  e.add_argument("--hardware", default="h100")
+  e.add_argument("--platform", default="cuda", help="what the programs are lowered for")
+  e.add_argument("--models", help="';'-separated model names (default: a spread of families)")
+  m = sub.add_parser("measure", help="time the exported programs (on the GPU machine)")
+  m.add_argument("--dir", type=Path, required=True)
+  m.add_argument("--out", type=Path, required=True)
+  m.add_argument("--repeat", type=int, default=20)
+  r = sub.add_parser("render", help="join predictions and measurements")
+  r.add_argument("--dir", type=Path, required=True)
+  r.add_argument("--measured", type=Path, required=True)
+  r.add_argument("--out", type=Path, required=True, help="the joined table (JSON)")
+  args = parser.parse_args(argv)
+  if args.command == "export":
+    export(args.dir, args.models.split(";") if args.models else MODELS, args.hardware,
+           args.platform)
+  elif args.command == "measure":
+    measure(args.dir, args.out, args.repeat)
+  else:
+    table = join(args.dir, json.loads(args.measured.read_text()))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(table, indent=1) + "\n")
+    print(render(table))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
