@@ -2,8 +2,8 @@
 (h_t = a * h_{t-1} + B x_t, y_t = C h_t + D x_t, as in S4D/LRU, real-valued) over time with
 `lax.scan`, followed by a gated MLP; pre-LayerNorm residual blocks, cross-entropy and Adam.
 
-The partitioner unrolls the scan (see `partitioner.tracing.UNROLL_LIMIT`), so long sequences
-make large programs: the presets keep the sequence moderate."""
+The partitioner keeps the scan a loop (its body partitioned once, see `partitioner.tracing`), so
+the program's size does not grow with the sequence; a short one is unrolled."""
 
 from __future__ import annotations
 

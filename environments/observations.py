@@ -27,8 +27,11 @@ from partitioner.rules import FACTOR_RULES
 MAX_RANK = 6      # dimensions beyond this share the last slot
 MAX_AXES = 4      # mesh axes an observation can describe
 # Node kind ids: 0 padding, 1 an input, 2 a primitive without a rule, then the known primitives.
-PRIMITIVES = tuple(sorted(FACTOR_RULES))
+# The ends of a loop region are nodes of kind `scan` (ids of trained policies stay as they were).
+LOOP_MARKERS = ("scan_enter", "scan_exit")
+PRIMITIVES = tuple(sorted(set(FACTOR_RULES) - set(LOOP_MARKERS)))
 KIND_IDS = {p: i + 3 for i, p in enumerate(PRIMITIVES)}
+KIND_IDS.update({m: KIND_IDS["scan"] for m in LOOP_MARKERS})
 NUM_KINDS = len(PRIMITIVES) + 3
 NODE_FEATURES = MAX_RANK + 7 + len(ROLES)
 SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1

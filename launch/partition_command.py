@@ -67,6 +67,10 @@ def add_parser(sub) -> None:
                  "instead of the tables)")
   p.add_argument("--all", action="store_true",
                  help="list every input and conflict instead of folding repeated layers")
+  p.add_argument("--loops", choices=("auto", "unroll", "keep"), default="auto",
+                 help="lax.scan loops: unrolled into straight-line code, or kept as loops whose "
+                      "body is partitioned once and run every iteration (auto: loops of more "
+                      "than 4 iterations are kept)")
   p.set_defaults(run=run, host_devices=lambda: _mesh_size(p))
 
 
@@ -103,7 +107,7 @@ def run(args) -> int:
   t0 = time.perf_counter()
   workload = corpus.load(args.model)
   t1 = time.perf_counter()
-  program = partitioner.trace(workload.fn, *workload.args)
+  program = partitioner.trace(workload.fn, *workload.args, loops=args.loops)
   t2 = time.perf_counter()
   pp = partitioner.apply(program, mesh, schedule)
   pp.plan  # derived here so that the partition time includes it
@@ -181,7 +185,8 @@ def _print(args, pp, result, verification, xla, cost) -> None:
     out.print(f"loops: {len(unrolled)} scan(s) unrolled when traced"
               + (f" ({', '.join(sorted({str(l['length']) + ' steps' for l in unrolled}))})"
                  if unrolled else "")
-              + (f", {kept} kept as loops (run replicated)" if kept else ""))
+              + (f", {kept} kept as loops (body partitioned once, run "
+                 f"{', '.join(str(r.length) for r in p.regions)} times)" if kept else ""))
   out.print(f"strategy: {pp.strategy}")
   for r in pp.reports:
     out.print(f"  {r.tactic}: {len(r.targets)} values tiled, {r.visits} op visits"

@@ -31,6 +31,9 @@ class OpFactors(NamedTuple):
   results: tuple[DimFactors, ...]
   sizes: tuple[int, ...]
   kinds: tuple[int, ...]
+  # Per factor, a group id, for ops that bundle independent tensors (the ends of a loop): a
+  # mesh axis shards at most one factor of each group instead of one factor of the op.
+  groups: tuple[int, ...] | None = None
 
   def describe(self) -> str:
     """`([i, k], [k, j]) -> ([i, j]) {k: sum}` with factors named i, j, k..."""
@@ -61,9 +64,10 @@ class FactorBuilder:
     """A fresh factor for every dimension of size > 1."""
     return tuple((self.new(n, kind),) if n > 1 else () for n in shape)
 
-  def build(self, operands, results) -> OpFactors:
+  def build(self, operands, results, groups=None) -> OpFactors:
     return OpFactors(tuple(tuple(o) for o in operands), tuple(tuple(r) for r in results),
-                     tuple(self.sizes), tuple(self.kinds))
+                     tuple(self.sizes), tuple(self.kinds),
+                     None if groups is None else tuple(groups))
 
 
 def replicated_factors(operand_shapes, result_shapes) -> OpFactors:

@@ -1,8 +1,10 @@
 """The partitioning IR: SSA values with shapes, primitive ops in program order, named inputs.
 
-It is a flat view of a jaxpr: nested calls are inlined by `tracing.trace`, region ops (scan,
-while, cond) keep their bodies in `Op.params`. Ops hold the original primitive and parameters,
-so the IR can always be evaluated and re-emitted as JAX.
+It is a flat view of a jaxpr: nested calls are inlined by `tracing.trace`; a `scan` kept as a
+loop is a region of the flat op list (`Region`): its body's ops appear once, between a
+`scan_enter` and a `scan_exit` op, so every analysis sees through the body as it sees through
+straight-line code. Other region ops (`while`, `cond`) keep their bodies in `Op.params`. Ops hold
+the original primitive and parameters, so the IR can always be evaluated and re-emitted as JAX.
 """
 
 from __future__ import annotations
@@ -10,11 +12,39 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from partitioner.errors import PatternError
+
+
+def _marker(name: str):
+  from jax import core
+  p = core.Primitive(name)
+  p.multiple_results = True
+  return p
+
+
+# The two ends of a loop region. `scan_enter` reads the initial carries and the stacked inputs
+# (`xs`) and makes the carries of one iteration and one slice of each stacked input;
+# `scan_exit` reads the carries and per-iteration outputs the body makes, then the carries
+# `scan_enter` made (so the carry has one layout all around the loop), and makes the final
+# carries and the stacked outputs (`ys`). Both carry params {region, length, reverse,
+# num_carry}; neither is ever bound: evaluation and the lowerings run the region as a
+# `lax.scan`.
+SCAN_ENTER = _marker("scan_enter")
+SCAN_EXIT = _marker("scan_exit")
+
+
+class Region(NamedTuple):
+  """A loop: ops enter+1 .. exit-1 are its body, run `length` times."""
+  enter: int
+  exit: int
+  length: int
+  reverse: bool
+  num_carry: int
+  parent: int     # the enclosing region (-1: none)
 
 
 class Value:
@@ -149,6 +179,59 @@ class Program:
       out.setdefault(self.inputs[i], []).append(self.outputs[o])
     return {k: tuple(v) for k, v in out.items()}
 
+  @functools.cached_property
+  def regions(self) -> tuple[Region, ...]:
+    """The loop regions, in the order they begin."""
+    found, open_, by_id = [], [], {}
+    for op in self.ops:
+      if op.primitive is SCAN_ENTER:
+        by_id[op.params["region"]] = len(found)
+        found.append([op.index, -1, op.params["length"], op.params["reverse"],
+                      op.params["num_carry"], open_[-1] if open_ else -1])
+        open_.append(len(found) - 1)
+      elif op.primitive is SCAN_EXIT:
+        r = by_id[op.params["region"]]
+        if not open_ or open_[-1] != r:
+          raise AssertionError(f"loop regions do not nest at op {op.index}")
+        open_.pop()
+        found[r][1] = op.index
+    return tuple(Region(*r) for r in found)
+
+  @functools.cached_property
+  def region_starts(self) -> dict[int, int]:
+    """Enter op -> its region."""
+    return {r.enter: k for k, r in enumerate(self.regions)}
+
+  @functools.cached_property
+  def region_of(self) -> np.ndarray:
+    """Per op: the innermost region whose body holds it (-1: none; a region's enter and exit
+    ops belong to the enclosing one)."""
+    out = np.full(len(self.ops), -1, np.int64)
+    for r, region in enumerate(self.regions):   # outer regions first, inner ones overwrite
+      out[region.enter + 1:region.exit] = r
+    return out
+
+  @functools.cached_property
+  def op_repeat(self) -> np.ndarray:
+    """Per op: how many times one step runs it (the product of its loops' lengths)."""
+    out = np.ones(len(self.ops))
+    for region in self.regions:
+      out[region.enter + 1:region.exit] *= region.length
+    return out
+
+  def hoist(self, op_index: int, producer: int | None) -> tuple[int, int]:
+    """Where something op `op_index` reads, made by `producer` (None: an input or a constant),
+    can be made ready once and until when it must stay: (the enter op, the exit op) of the
+    outermost loop that holds the reader but not the producer (the body reads it in every
+    iteration), or (op_index, op_index). A loop's enter op makes values of its body."""
+    r, first, last = int(self.region_of[op_index]), op_index, op_index
+    while r >= 0:
+      region = self.regions[r]
+      if producer is not None and region.enter <= producer < region.exit:
+        break
+      first, last, r = region.enter, region.exit, region.parent
+    return first, last
+
   def input_position(self, vid: int) -> int | None:
     return self._input_pos.get(vid)
 
@@ -217,10 +300,29 @@ class Program:
     for v in self.values:
       if v.is_const:
         env[v.id] = v.const
-    for op in self.ops:
+    on_result = on_result or (lambda vid, x: x)
+
+    def step(op):
       outs = bind_op(op, [env[i] for i in op.inputs])
       for vid, x in zip(op.outputs, outs):
-        env[vid] = x if on_result is None else on_result(vid, x)
+        env[vid] = on_result(vid, x)
+
+    def loop(k, lo, hi):
+      enter, exit_ = self.ops[lo - 1], self.ops[hi]
+      n = self.regions[k].num_carry
+
+      def iteration(carries, slices):
+        for vid, x in zip(enter.outputs, carries + slices):
+          env[vid] = on_result(vid, x)
+        walk(self, lo, hi, step, loop)
+        read = [env[v] for v in exit_.inputs]
+        return read[:n], read[n:len(read) - n]
+
+      for vid, x in zip(exit_.outputs, run_loop(self, k, [env[v] for v in enter.inputs],
+                                                iteration)):
+        env[vid] = on_result(vid, x)
+
+    walk(self, 0, len(self.ops), step, loop)
     return [env[v] for v in self.outputs]
 
   def __call__(self, *args):
@@ -250,6 +352,43 @@ class Program:
 
   def __repr__(self) -> str:
     return (f"Program({len(self.ops)} ops, {len(self.inputs)} inputs, {len(self.outputs)} outputs)")
+
+
+def walk(program: Program, lo: int, hi: int, step, loop) -> None:
+  """Runs ops lo .. hi-1 in order: `step(op)` for an op, `loop(k, first, exit)` for loop region
+  k, which begins in the range (`first`: its body's first op; `exit`: its exit op)."""
+  starts = program.region_starts
+  i = lo
+  while i < hi:
+    k = starts.get(i)
+    if k is None:
+      step(program.ops[i])
+      i += 1
+    else:
+      region = program.regions[k]
+      loop(k, region.enter + 1, region.exit)
+      i = region.exit + 1
+
+
+def run_loop(program: Program, k: int, operands: list, iteration) -> list:
+  """Region k as a `lax.scan`, from the local values of its enter op's operands (initial
+  carries, stacked inputs): `iteration(carries, slices)` runs the body once and returns the
+  next carries and this iteration's outputs. Returns the final carries, then the stacked
+  outputs: what the exit op makes."""
+  from jax import lax
+  region = program.regions[k]
+  enter = program.ops[region.enter]
+  dtypes = [program.values[v].dtype for v in enter.outputs[:region.num_carry]]
+  cast = lambda xs: [lax.convert_element_type(x, d) for x, d in zip(xs, dtypes)]
+
+  def step(carry, xs):
+    carry, ys = iteration(list(carry), list(xs))
+    return cast(carry), list(ys)
+
+  n = region.num_carry
+  final, ys = lax.scan(step, cast(operands[:n]), list(operands[n:]), length=region.length,
+                       reverse=region.reverse)
+  return list(final) + list(ys)
 
 
 def bind(op: Op, args: list, params: dict) -> list:

@@ -21,7 +21,7 @@ from jax.experimental.shard_map import shard_map
 from jax.sharding import NamedSharding
 
 from partitioner import collectives as C
-from partitioner.ir import bind
+from partitioner.ir import SCAN_ENTER, bind, run_loop, walk
 from partitioner.rules import LOCAL_RULES
 from partitioner.sharding import Sharding, local_shape
 
@@ -91,24 +91,39 @@ def _spmd_body(pp) -> Callable:
   sizes = pp.mesh.sizes
   table = state.table
 
+  # Copies a loop reads but does not make, made before the loop: enter op -> (copy, its first
+  # (op, operand)).
+  hoisted: dict[int, list] = {}
+  seen: set = set()
+  for (i, k), c in sorted(plan.copy_of.items()):
+    first = plan.copies[c].first
+    if c not in seen and first != i and program.ops[first].primitive is SCAN_ENTER:
+      seen.add(c)
+      hoisted.setdefault(first, []).append((c, (i, k)))
+
   def body(*local_inputs):
     env: list[Any] = [None] * len(program.values)
     for vid, x in zip(program.inputs, local_inputs):
       env[vid] = x
     cache: dict = {}
     copy_of = plan.copy_of
-    for op, op_plan in zip(program.ops, plan.ops):
-      args = []
-      for k, vid in enumerate(op.inputs):
-        x = env[vid]
-        if x is None:
-          x = jnp.asarray(program.values[vid].const)
-        c = copy_of.get((op.index, k), -1)
-        if c >= 0:
-          if c not in cache:
-            cache[c] = run_steps(x, op_plan.operand_steps[k], sizes)
-          x = cache[c]
-        args.append(x)
+
+    def value(vid):
+      x = env[vid]
+      return jnp.asarray(program.values[vid].const) if x is None else x
+
+    def operand(op, k):
+      x = value(op.inputs[k])
+      c = copy_of.get((op.index, k), -1)
+      if c >= 0:
+        if c not in cache:
+          cache[c] = run_steps(x, plan.ops[op.index].operand_steps[k], sizes)
+        x = cache[c]
+      return x
+
+    def step(op):
+      op_plan = plan.ops[op.index]
+      args = [operand(op, k) for k in range(len(op.inputs))]
       rule = LOCAL_RULES.get(op.name)
       if rule is not None:
         outs = rule(op, LocalContext(op, program, sizes, op_plan, table[op.index].factors), args)
@@ -116,6 +131,37 @@ def _spmd_body(pp) -> Callable:
         outs = bind(op, args, op.params)
       for k, vid in enumerate(op.outputs):
         env[vid] = run_steps(outs[k], op_plan.result_steps[k], sizes)
+
+    def loop(r, lo, hi):
+      # The enter op's operands and results are resharded as its plan says, the stacked inputs
+      # once before the loop; the exit op's operands in every iteration, its results after.
+      enter, exit_ = program.ops[lo - 1], program.ops[hi]
+      entering, leaving = plan.ops[enter.index], plan.ops[exit_.index]
+      n = program.regions[r].num_carry
+      for c, (i, k) in hoisted.get(enter.index, ()):
+        if c not in cache:
+          cache[c] = run_steps(value(program.ops[i].inputs[k]),
+                               plan.ops[i].operand_steps[k], sizes)
+      operands = [operand(enter, k) for k in range(len(enter.inputs))]
+      init = [run_steps(x, entering.result_steps[k], sizes) for k, x in enumerate(operands[:n])]
+
+      def iteration(carries, slices):
+        outer = dict(cache)   # copies made in the body are values of this trace only
+        for vid, x in zip(enter.outputs, carries):
+          env[vid] = x
+        for vid, x, steps in zip(enter.outputs[n:], slices, entering.result_steps[n:]):
+          env[vid] = run_steps(x, steps, sizes)
+        walk(program, lo, hi, step, loop)
+        read = [operand(exit_, k) for k in range(len(exit_.inputs) - n)]
+        cache.clear()
+        cache.update(outer)
+        return read[:n], read[n:]
+
+      outs = run_loop(program, r, init + operands[n:], iteration)
+      for vid, x, steps in zip(exit_.outputs, outs, leaving.result_steps):
+        env[vid] = run_steps(x, steps, sizes)
+
+    walk(program, 0, len(program.ops), step, loop)
     results = []
     for vid in program.outputs:
       x = env[vid]

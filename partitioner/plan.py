@@ -9,6 +9,8 @@ and the cost model read this plan, so the collectives they see are the same.
 A resharded copy of a value is made once and shared by the ops that read that layout, but not
 kept from the forward pass into the backward pass: as FSDP does, a gathered parameter is
 gathered again for the backward, and activations are kept in their own (smaller) sharding.
+A loop's body reshards what it makes in every iteration; what it reads from outside (a
+parameter, a loop-invariant activation) is resharded once before the loop and kept to its end.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import NamedTuple
 
 from partitioner.collectives import ALL_REDUCE, SLICE, Collective, Step, reshard_steps
 from partitioner.factors import REDUCE_OF_KIND, join_dim
+from partitioner.ir import SCAN_EXIT
 from partitioner.propagation import ShardingState, priority_order
 from partitioner.roles import forward_ops
 from partitioner.sharding import Dims, Sharding
@@ -40,7 +43,8 @@ class OpPlan(NamedTuple):
 
 
 class Copy(NamedTuple):
-  """A resharded copy of a value: made before op `first`, last read by op `last`."""
+  """A resharded copy of a value: made before op `first`, last read by op `last` (for a copy a
+  loop reads, its enter and exit ops)."""
   value: int
   dims: Dims
   first: int
@@ -103,6 +107,14 @@ def _plan_op(state: ShardingState, op) -> OpPlan:
       reduce = REDUCE_OF_KIND[kind]
   results = tuple(Sharding(_dims(dfs, fac_axes, fac.sizes, mesh), partial, reduce)
                   for _, dfs in tensors[n_in:])
+  if op.primitive is SCAN_EXIT:
+    # A carry keeps the layout of the iteration's carry (the enter op's result) all around the
+    # loop, as a data-flow edge does in Shardy: the body's carry is resharded to it before
+    # the next iteration, and the final carry is made in it.
+    n = op.params["num_carry"]
+    carry = tuple(state.dims[v] for v in op.inputs[n_in - n:])
+    operand_dims = carry + operand_dims[n:n_in - n] + carry
+    results = tuple(Sharding(d) for d in carry) + results[n:]
   operand_steps = []
   for vid, want in zip(op.inputs, operand_dims):
     v = values[vid]
@@ -146,8 +158,10 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
   copies: list[Copy] = []
   copy_of: dict = {}
   staged: list[Staged] = []
-  made: dict = {}           # (value, layout, in forward pass) -> copy
+  made: dict = {}           # (value, layout, in forward pass, loop it is made in) -> copy
   forward = forward_ops(program)
+  region_of = program.region_of if program.regions else None
+  values = program.values
   writes_of = memo.get("writes")   # per op: (its plan, the collectives and staged results)
   if writes_of is None:
     writes_of = memo["writes"] = [None] * len(program_ops)
@@ -155,14 +169,17 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
     op, op_plan = program_ops[i], ops[i]
     for k in op_plan.reads:
       vid, want = op.inputs[k], op_plan.operand_dims[k]
-      key = (vid, want, i in forward)
+      at = last = i
+      if region_of is not None:   # a loop reads what it did not make: resharded before it
+        at, last = program.hoist(i, values[vid].producer)
+      key = (vid, want, i in forward, -1 if region_of is None else int(region_of[at]))
       c = made.get(key)
       if c is None:
         c = made[key] = len(copies)
-        copies.append(Copy(vid, want, i, i))
-        _record(collectives, op_plan.operand_steps[k], vid, i, c)
+        copies.append(Copy(vid, want, at, last))
+        _record(collectives, op_plan.operand_steps[k], vid, at, c)
       else:
-        copies[c] = copies[c]._replace(last=i)
+        copies[c] = copies[c]._replace(last=max(copies[c].last, last))
       copy_of[(i, k)] = c
     if op_plan.writes:   # the same for every state where op i has this plan
       written = writes_of[i]

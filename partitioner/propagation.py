@@ -301,9 +301,9 @@ class ShardingState:
       return fac_axes
     if len(order) > 1:
       order.sort()
-    kinds = fac.kinds
+    kinds, groups = fac.kinds, fac.groups
     owner = [-1] * len(fac.sizes)
-    used: dict[str, int] = {}
+    used: dict = {}   # mesh axis (with groups: (group, axis)) -> the factor it shards
     for _, _, k in order:
       vdims = dims[tensors[k][0]]
       for d, flist in slots[k]:
@@ -327,12 +327,13 @@ class ShardingState:
               continue
           new = cur
           for a in ax[lc:]:
-            g = used.get(a)
+            key = a if groups is None else (groups[f], a)
+            g = used.get(key)
             if g is not None and g != f:
               if conflicts is not None:
                 conflicts.append((owner[g], fac_axes[g], k, ax))
               break
-            used[a] = f
+            used[key] = f
             new += (a,)
           if len(new) != lc:
             fac_axes[f] = new

@@ -165,7 +165,8 @@ def depends_on(program: Program, sources: tuple[int, ...]) -> frozenset[int]:
 
 def param_source(program: Program, vid: int, params: frozenset[int]):
   """If `vid` is a parameter seen through casts, transposes and slices of a stacked parameter
-  (one layer of `lax.scan` over stacked weights, unrolled): (param, dim map), else None."""
+  (one layer of `lax.scan` over stacked weights, unrolled or in a loop's body): (param, dim
+  map), else None."""
   dims = list(range(program.values[vid].rank))
   while vid not in params:
     p = program.values[vid].producer
@@ -186,6 +187,9 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
       kept = [d for d in range(src.rank) if d not in op.params["dimensions"]]
       dims = [kept[d] for d in dims]
       vid = op.inputs[0]
+    elif op.name == "scan_enter" and op.outputs.index(vid) >= op.params["num_carry"]:
+      vid = op.inputs[op.outputs.index(vid)]   # one iteration's slice of a stacked input
+      dims = [d + 1 for d in dims]
     else:
       return None
   return vid, dims
@@ -195,7 +199,7 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
 def stacked_dims(program: Program) -> dict[int, int]:
   """Inputs stacked over a loop -> their loop dimension: layers (`hk.layer_stack`, `nn.scan`,
   `lax.scan` over a dict of weights) or micro-batches. Every forward-pass read takes one slice
-  along it (a scan unrolled when traced), or it is a scanned-over operand of a `scan`.
+  along it (a scan unrolled when traced), or it is a scanned-over operand of a loop.
   Optimizer state has the layer dimension of its parameter. Tactics meant for the batch or the
   model never tile it."""
   forward = forward_ops(program)
@@ -212,6 +216,8 @@ def stacked_dims(program: Program) -> dict[int, int]:
         here = {d for d in range(value.rank) if out[d] == 1 and value.shape[d] > 1}
       elif op.name == "scan" and op.inputs.index(vid) >= (
           op.params["num_consts"] + op.params["num_carry"]):
+        here = {0}
+      elif op.name == "scan_enter" and op.inputs.index(vid) >= op.params["num_carry"]:
         here = {0}
       else:
         dims = set()

@@ -5,10 +5,11 @@
 runs), literals and closed-over constants become constant values, and inputs are named by
 their pytree paths under the function's parameter names (`params/layer_0/mlp/w_in`).
 
-`scan` loops short enough (length x body size up to `UNROLL_LIMIT` equations) are unrolled:
-each iteration becomes ordinary ops, so a recurrence over time partitions along its batch
-and feature dimensions like any other code. Longer loops stay region ops, which run
-replicated and are reported.
+A `scan` is either unrolled (each iteration becomes ordinary ops, so a short loop partitions
+like straight-line code) or kept as a loop region: a `scan_enter` op, the body's ops once, and a
+`scan_exit` op (see `ir.Region`). `loops="auto"` unrolls loops of at most `UNROLL_LENGTH`
+iterations (and `UNROLL_LIMIT` equations once unrolled) and keeps the rest; `trace` records
+what it did with each in `Program.loops`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax import core
 from jax import tree_util
 
 from partitioner.errors import WorkloadError
-from partitioner.ir import Op, Program, Value
+from partitioner.ir import SCAN_ENTER, SCAN_EXIT, Op, Program, Value
 
 # Call-like primitives whose body is inlined, with the parameter holding the body.
 _INLINE = {
@@ -38,8 +39,11 @@ _INLINE = {
     "named_call": ("call_jaxpr",),
 }
 
-# Scans with at most this many equations once unrolled (length x body) are unrolled.
+# Under loops="auto", scans of at most this many iterations, and this many equations once
+# unrolled (length x body), are unrolled; the others are kept as loops.
+UNROLL_LENGTH = 4
 UNROLL_LIMIT = 50_000
+LOOP_MODES = ("auto", "unroll", "keep")
 
 
 def key_name(key) -> str:
@@ -78,21 +82,65 @@ def argument_names(fn: Callable, nargs: int) -> list[str]:
 class _Builder:
   """Accumulates values and ops while walking (and inlining) a jaxpr."""
 
-  def __init__(self):
+  def __init__(self, loops: str = "auto"):
     self.values: list[Value] = []
     self.ops: list[Op] = []
     self.effectful: set[int] = set()
     self.loops: list[dict] = []   # every scan met: its length, body size and what was done
+    self.mode = loops
+    self.regions = 0              # loop regions emitted so far
+
+  def unroll(self, length: int, body_eqns: int) -> bool:
+    if self.mode != "auto":
+      return self.mode == "unroll"
+    return length <= UNROLL_LENGTH and length * body_eqns <= UNROLL_LIMIT
+
+  def add_op(self, primitive, ins, out_avals, params, name_stack=None) -> tuple[int, ...]:
+    index = len(self.ops)
+    outs = tuple(self.new_value(a, producer=index) for a in out_avals)
+    self.ops.append(Op(index, primitive, tuple(ins), outs, params, name_stack))
+    return outs
+
+  def emit_loop(self, eqn, ins: list[int]) -> list[int]:
+    """A scan kept as a loop: `scan_enter` (carries in, stacked inputs sliced), the body once,
+    `scan_exit` (carries out, per-iteration outputs stacked; it also reads the carries in, so
+    a carry has one layout around the loop)."""
+    p = eqn.params
+    n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+    consts, init, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    params = {"region": self.regions, "length": length, "reverse": bool(p["reverse"]),
+              "num_carry": n_carry}
+    self.regions += 1
+    vals = self.values
+    slices = [core.ShapedArray(vals[x].shape[1:], vals[x].dtype) for x in xs]
+    entered_at = len(self.ops)
+    entered = self.add_op(SCAN_ENTER, init + xs,
+                          [core.ShapedArray(vals[c].shape, vals[c].dtype) for c in init] + slices,
+                          params, eqn.source_info.name_stack)
+    carry_in = list(entered[:n_carry])
+    body = p["jaxpr"]
+    outs = self.emit(body.jaxpr, body.consts, consts + carry_in + list(entered[n_carry:]))
+    carry_out, ys = outs[:n_carry], outs[n_carry:]
+    out_avals = [core.ShapedArray(vals[c].shape, vals[c].dtype) for c in carry_in] + [
+        core.ShapedArray((length,) + vals[y].shape, vals[y].dtype) for y in ys]
+    if any(i > entered_at for i in self.effectful):   # a body with effects runs whatever
+      self.effectful.add(len(self.ops))               # uses its results
+    return list(self.add_op(SCAN_EXIT, carry_out + ys + carry_in, out_avals, params,
+                            eqn.source_info.name_stack))
 
   def eliminate_dead_code(self, outputs: Sequence[int]) -> None:
     """Drops ops whose results nothing uses (the primal of a `jax.grad`, say); ops with
     effects stay. Renumbers the ops that remain."""
     live = set(outputs)
-    keep = []
+    keep, loops = [], set()   # loops whose exit is kept keep their enter
     for op in reversed(self.ops):
-      if op.index in self.effectful or any(v in live for v in op.outputs):
+      region = op.params.get("region") if op.primitive in (SCAN_ENTER, SCAN_EXIT) else None
+      if (op.index in self.effectful or any(v in live for v in op.outputs) or
+          (op.primitive is SCAN_ENTER and region in loops)):
         keep.append(op)
         live.update(op.inputs)
+        if op.primitive is SCAN_EXIT:
+          loops.add(region)
     keep.reverse()
     kept = {id(op) for op in keep}
     for op in self.ops:
@@ -138,11 +186,16 @@ class _Builder:
             break
       if name == "scan":
         body_eqns = _count_eqns(eqn.params["jaxpr"].jaxpr)
-        unroll = eqn.params["length"] * body_eqns <= UNROLL_LIMIT
+        unroll = self.unroll(int(eqn.params["length"]), body_eqns)
         self.loops.append({"length": int(eqn.params["length"]), "body_eqns": body_eqns,
                            "unrolled": unroll})
         if unroll:
           body = _unrolled_scan(eqn)
+        else:
+          for var, vid in zip(eqn.outvars, self.emit_loop(eqn, ins)):
+            if not isinstance(var, core.DropVar):
+              env[var] = vid
+          continue
       if body is not None:
         if isinstance(body, core.ClosedJaxpr):
           outs = self.emit(body.jaxpr, body.consts, ins)
@@ -245,11 +298,15 @@ def _find_aliases(args, out_shape, dynamic: list[int]) -> dict[int, int]:
   return aliases
 
 
-def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None) -> Program:
+def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None,
+          loops: str = "auto") -> Program:
   """Traces `fn(*args)` into a `Program`. Arguments are pytrees (dicts, NamedTuples,
   dataclasses, Flax `TrainState`s...); array leaves (or `jax.ShapeDtypeStruct`s) are the
   inputs, every other leaf (a Python number, a string, a callable) is a constant of the trace.
+  `loops`: what becomes of `scan`s ("auto", "unroll" or "keep"; see the module docstring).
   A function that fails to trace raises `WorkloadError` naming the cause."""
+  if loops not in LOOP_MODES:
+    raise ValueError(f"loops must be one of {', '.join(LOOP_MODES)}, got {loops!r}")
   names = list(arg_names) if arg_names is not None else argument_names(fn, len(args))
   leaves_with_paths, in_tree = tree_util.tree_flatten_with_path(tuple(args))
   leaves = [x for _, x in leaves_with_paths]
@@ -274,7 +331,7 @@ def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None) -> Progra
     arg = names[top.idx]
     input_names.append(arg + ("/" + path_name(rest) if rest else ""))
 
-  builder = _Builder()
+  builder = _Builder(loops)
   jaxpr = closed.jaxpr
   inputs = [builder.new_value(v.aval, name=n) for v, n in zip(jaxpr.invars, input_names)]
   outputs = builder.emit(jaxpr, closed.consts, inputs)

@@ -93,9 +93,11 @@ class ProgramWork:
                           not (len(readers) > 1 and any(is_reduce[u] for u in readers)))
     self.order = _run_order(program)
     group, current, previous = [0] * len(ops), -1, -1
+    region = program.region_of if program.regions else np.full(len(ops), -1)
     for i in self.order:
       op = ops[i]
       joins = (fusible[i] and current >= 0 and previous >= 0 and fusible[previous] and
+               region[i] == region[previous] and
                any(candidate[v] and group[self.producer[v]] == current for v in op.inputs
                    if self.producer[v] >= 0))
       if not joins:
@@ -135,14 +137,16 @@ def _run_order(program: Program) -> list[int]:
   gradient reductions with the backward pass. Cheap backward ops (elementwise, shape) run just
   before their first reader, so a gradient's transpose does not wait for its reduction inside
   the backward pass; and the optimizer update (ops downstream of optimizer state or writing only
-  updated state, that nothing else reads) runs last, in the order its gradients are ready."""
+  updated state, that nothing else reads) runs last, in the order its gradients are ready.
+  Nothing moves into or out of a loop's body."""
   ops, values, users = program.ops, program.values, program.users
   n = len(ops)
+  region = program.region_of if program.regions else np.full(n, -1)
   roles = R.roles(program)
   forward = R.forward_ops(program)
   state_out = {o for i, o in enumerate(program.outputs) if i in program.aliases}
   downstream = R.depends_on(program, tuple(roles.opt_state))
-  tail = [op.index not in forward and (
+  tail = [op.index not in forward and region[op.index] < 0 and (
       any(v in downstream for v in op.outputs) or
       (bool(op.outputs) and all(v in state_out for v in op.outputs))) for op in ops]
   for op in reversed(ops):   # nothing outside the tail may read it
@@ -160,7 +164,7 @@ def _run_order(program: Program) -> list[int]:
   for op in reversed(ops):
     if not tail[op.index] and op.index not in forward and op.name in _MOVABLE:
       readers = [key[u] for v in op.outputs for u in users[v]]
-      if readers:
+      if readers and all(region[u] == region[op.index] for v in op.outputs for u in users[v]):
         key[op.index] = min(readers) - 0.5
   return sorted(range(n), key=lambda i: (key[i], i))
 

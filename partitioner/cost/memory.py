@@ -2,9 +2,12 @@
 
 Buffers are the stored (local) values: inputs live for the whole step; with donation (the
 default for a training step) an updated parameter or optimizer state shares its input's buffer,
-so state counts once; without it the new state is a buffer of its own. Intermediates live from the op that makes them to their last reader;
-values inside a fused kernel never exist. Resharded copies (a gathered parameter) live from the
-first to the last op that reads them, and a partial result lives while it is being reduced.
+so state counts once; without it the new state is a buffer of its own. Intermediates live from
+the op that makes them to their last reader (a loop's body holds its values for one iteration at
+a time; what it reads from outside lives to the loop's end; stacked outputs are allocated before
+the first iteration); values inside a fused kernel never exist. Resharded copies (a gathered
+parameter) live from the first to the last op that reads them, and a partial result lives while
+it is being reduced.
 At the peak the live bytes are split into parameters, optimizer state, batch, activations kept
 for the backward pass (made in the forward pass, read after it) and temporaries.
 """
@@ -56,6 +59,19 @@ class ProgramLiveness:
       if v.producer is not None and not work.internal[v.id] and not v.is_const:
         birth[v.id] = v.producer
         death[v.id] = max(users[v.id], default=v.producer)
+    for region in program.regions:
+      # A loop's stacked outputs are allocated before its first iteration; a value made
+      # outside a loop and read in its body lives until the loop ends.
+      enter, exit_ = program.ops[region.enter], program.ops[region.exit]
+      for v in exit_.outputs[region.num_carry:]:
+        birth[v] = min(birth[v], region.enter) if birth[v] >= 0 else birth[v]
+      for v in enter.inputs[region.num_carry:]:   # sliced in every iteration
+        if death[v] >= -1:
+          death[v] = max(death[v], region.exit)
+      for op in program.ops[region.enter + 1:region.exit]:
+        for v in op.inputs:
+          if death[v] >= -1:
+            death[v] = max(death[v], program.hoist(op.index, program.values[v].producer)[1])
     for v in program.inputs:
       birth[v], death[v] = -1, n_ops
     aliased_outputs = {program.outputs[o] for o in program.aliases}

@@ -123,6 +123,8 @@ class Simulator:
 
   `folding` (partitioner.folding) makes `program` stand for a deeper one: op times and
   collectives count as many times as the ops they stand for, buffers as many as they stand for.
+  Likewise the body of a loop runs (and communicates) once per iteration; its buffers exist
+  once at a time.
   """
 
   def __init__(self, program, mesh, hardware: Hardware | str, order: Sequence[str] | None = None,
@@ -131,6 +133,10 @@ class Simulator:
       raise ValueError("the folding is of another program")
     self.program = program
     self.folding = folding
+    weight = program.op_repeat if program.regions else None
+    if folding is not None:
+      weight = folding.op_weight if weight is None else weight * folding.op_weight
+    self.op_weight = weight      # per op: how many times a step runs it (None: once)
     self.hardware = hw = load_hardware(hardware)
     self.placement = Placement(mesh, self.hardware, order)
     self.work = work = ProgramWork.of(program)
@@ -216,8 +222,8 @@ class Simulator:
     divisors, flops, nbytes = self.costs(pp, a)
     timed = self.times(pp.collectives)
     durations = [t.seconds for t in timed]
-    if self.folding is not None:
-      weight = self.folding.op_weight
+    if self.op_weight is not None:
+      weight = self.op_weight
       flops, nbytes = flops * weight, nbytes * weight
       durations = (np.array(durations) * weight[a.op]).tolist()
     compute = np.bincount(work.group, flops / self.rate, minlength=work.groups)

@@ -59,6 +59,7 @@ def op_factors(op, program) -> tuple[OpFactors, str | None]:
 
 # Register the rule families.
 from partitioner.rules import elementwise, dot_general, shapes, reductions, indexing, conv  # noqa: E402,F401
+from partitioner.rules import loops  # noqa: E402,F401
 
 
 @factor_rule("scan", "while", "cond")

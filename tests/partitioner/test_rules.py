@@ -160,7 +160,9 @@ def test_tile_outputs_by_name():
   assert pp.output_shardings()["out"].dims == ((), ("a",))
 
 
-def test_scan_while_cond_fall_back_to_replicated_and_stay_correct(monkeypatch):
+def test_while_and_cond_fall_back_to_replicated_and_stay_correct(monkeypatch):
+  """A scan kept as a loop partitions its body (tests/partitioner/test_loops.py); `while` and
+  `cond` keep their bodies whole and run replicated."""
   monkeypatch.setattr(tracing, "UNROLL_LIMIT", 0)  # keep the scan a loop
 
   def f(x):
@@ -169,10 +171,11 @@ def test_scan_while_cond_fall_back_to_replicated_and_stay_correct(monkeypatch):
     return lax.cond(z.sum() > 0, lambda: ys * 2, lambda: ys - 1) + z
 
   pp = assert_partitioned_equal(f, (rand(4, 16),), "a=8", "Tile(x, 1, a)")
+  assert len(pp.program.regions) == 1
   reasons = {pp.program.ops[i].name: r for i, r in pp.fallbacks.items()}
-  assert set(reasons) == {"scan", "while", "cond"}
+  assert set(reasons) == {"while", "cond"}
   assert all("runs replicated: its body is not partitioned yet" in r for r in reasons.values())
-  assert (AG, ("a",)) in kinds(pp)  # the scan needs x whole
+  assert (AG, ("a",)) in kinds(pp)  # the while loop needs the carry whole
 
 
 def test_unknown_primitive_runs_replicated_and_is_reported():

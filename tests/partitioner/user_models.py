@@ -94,3 +94,45 @@ def microbatched_mlp(accum=4, batch=16, d=32, hidden=64):
   data = {"x": jax.random.normal(keys[2], (accum, batch, d)),
           "y": jax.random.normal(keys[3], (accum, batch, d))}
   return train_step, (params, tx.init(params), data)
+
+
+def flax_scanned_blocks(layers=6, d=64, ffn=256, batch=16, seq=8):
+  """Residual MLP blocks stacked with Flax's `nn.scan` (parameters with a leading layer
+  dimension), trained with a Flax `TrainState` and AdamW: `train_step(state, batch)`."""
+  import flax.linen as nn
+  from flax.training import train_state
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      h = nn.LayerNorm()(x)
+      h = nn.Dense(d)(nn.gelu(nn.Dense(ffn)(h)))
+      return x + h, None
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=layers)
+      x, _ = stack(name="blocks")(nn.Dense(d)(x), None)
+      return nn.Dense(1)(x)
+
+  model = Model()
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(keys[0], (batch, seq, d))
+  y = jax.random.normal(keys[1], (batch, seq, 1))
+  state = train_state.TrainState.create(apply_fn=model.apply,
+                                        params=model.init(keys[2], x)["params"],
+                                        # eps well above f32 rounding of the gradients:
+                                        # Adam's first step is g / (|g| + eps), which turns a
+                                        # rounding difference in a gradient near 0 into one
+                                        # of the size of the learning rate.
+                                        tx=optax.adamw(1e-3, eps=1e-6))
+
+  def train_step(state, batch):
+    def loss(params):
+      return jnp.mean((state.apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), value
+
+  return train_step, (state, {"x": x, "y": y})
