@@ -44,13 +44,13 @@ bench: install
 	$(VENV)/bin/shardzero evaluate --suite quick --jobs 2 --store benchmarks/results/evaluate.jsonl \
 	  --json benchmarks/results/quick.json --markdown benchmarks/results/quick.md \
 	  --plots benchmarks/results/quick
-	@if [ -f runs/demo/checkpoint.pkl ]; then $(PY) benchmarks/bench_policy.py --policy runs/demo; \
+	@if [ -f runs/demo/checkpoint.ckpt ]; then $(PY) benchmarks/bench_policy.py --policy runs/demo; \
 	else echo "bench_policy: no trained policy in runs/demo (run 'make demo' first)"; fi
 
 # Agents across scales (docs/scales.md): the bundled `scales` suite, with the demo's policy.
 scales: install
 	$(VENV)/bin/shardzero evaluate --suite scales --jobs 2 --store docs/scales/results.jsonl \
-	  --agents expert,greedy,mcts:100,ilp$(if $(wildcard runs/demo/checkpoint.pkl),$(comma)policy:runs/demo$(comma)policy+mcts:runs/demo:10) \
+	  --agents expert,greedy,mcts:100,ilp$(if $(wildcard runs/demo/checkpoint.ckpt),$(comma)policy:runs/demo$(comma)policy+mcts:runs/demo:10) \
 	  --markdown docs/scales.md --plots docs/scales
 
 comma := ,

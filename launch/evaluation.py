@@ -68,10 +68,11 @@ def agent_version(spec: AgentSpec) -> str:
   version = f"{spec.kind}-v{AGENT_VERSIONS[spec.kind]}"
   if spec.run is None:
     return version
-  from learners.checkpointing import FILENAME
-  path = os.path.join(spec.run, FILENAME)
-  if not os.path.exists(path):
-    raise ShardzeroError(f"agent {spec}: no checkpoint {path} (train one with 'shardzero train')")
+  from learners.checkpointing import CheckpointError, path_of
+  try:
+    path = path_of(spec.run)
+  except CheckpointError as e:
+    raise ShardzeroError(f"agent {spec}: {e}") from None
   digest = hashlib.sha256()
   with open(path, "rb") as f:
     for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -50,6 +50,13 @@ counters, and --resume continues the run.
 Across machines: start '--role replay --port P' on one machine, then on any machine
 '--role learner|actor|evaluator --reverb HOST:P --run-dir DIR' (actors take --actor-id). The
 learner and the evaluator need the run directory; actors only write their CSV log there.
+
+Network: the Reverb server listens on every interface of its machine, with no authentication
+(dm-reverb 0.14 binds [::]:PORT and has no option to bind the loopback address only). Whoever
+can reach that port can read the policy's parameters and insert trajectories. The local
+launcher picks a random free port and prints it; run training on a machine whose firewall
+closes incoming ports, and across machines only inside a private network (a VPC subnet or
+cluster network with no public address, or an SSH tunnel: 'ssh -L P:localhost:P host').
 """
 
 EXAMPLES = """\
@@ -155,6 +162,7 @@ def run(args) -> int:
   if args.role == "replay":
     if args.port is None:
       raise ShardzeroError("--role replay needs --port")
+    print(exposure_warning(args.port), flush=True)
     run_replay(config, args.port)
     return 0
   if not args.reverb:
@@ -166,6 +174,12 @@ def run(args) -> int:
   else:
     run_evaluator(config, args.run_dir, args.reverb)
   return 0
+
+
+def exposure_warning(port: int) -> str:
+  return (f"replay: Reverb listens on port {port} of every network interface of "
+          f"{socket.gethostname()} (dm-reverb 0.14 cannot bind the loopback address only); "
+          "keep that port closed to other machines (see 'shardzero train --help', Network)")
 
 
 def _free_port() -> int:
@@ -222,6 +236,7 @@ def launch(config, args) -> int:
     if address is None:
       port = _free_port()
       address = f"localhost:{port}"
+      print(exposure_warning(port), flush=True)
       procs.append(_Process("replay", base + ["--role", "replay", "--port", str(port)],
                             os.path.join(logs, "replay.log")))
     learner = _Process("learner", base + ["--role", "learner", "--reverb", address] +

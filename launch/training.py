@@ -2,9 +2,10 @@
 function per role (replay, learner, actor, evaluator). Every role takes the Reverb address, so
 the same functions run as local processes (`launch/train_command.py`) or on other machines.
 
-A run directory holds `config.json`, `checkpoint.pkl` (parameters, optimizer state, counters),
-`logs/*.csv` (one per process), `tb/` (TensorBoard scalars) and `logs/*.log` (each process's
-output when the local launcher started it).
+A run directory holds `config.json`, `checkpoint.ckpt` (parameters, optimizer state, counters:
+arrays and JSON, `learners/checkpointing.py`), `logs/*.csv` (one per process), `tb/`
+(TensorBoard scalars) and `logs/*.log` (each process's output when the local launcher started
+it).
 """
 
 from __future__ import annotations
@@ -194,9 +195,9 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
 
   learner = builder.make_learner(networks, params, batches(), counter=Counter(), logger=logger)
   path = os.path.join(run_dir, checkpointing.FILENAME)
-  if resume and os.path.exists(path):
-    learner.restore(checkpointing.load(path)["learner"])
-  elif os.path.exists(path):
+  if resume and (os.path.exists(path) or checkpointing.is_pickled_run(run_dir)):
+    learner.restore(checkpointing.load(run_dir)["learner"])   # a pickled one is refused
+  elif os.path.exists(path) or checkpointing.is_pickled_run(run_dir):
     raise ShardzeroError(f"{run_dir} already has a checkpoint: pass --resume to continue it, "
                          "or choose another --run-dir")
 

@@ -22,6 +22,7 @@ import optax
 from agents.core import Learner
 from agents.counting import Counter
 from agents.loggers import Logger, TerminalLogger
+from learners.checkpointing import CheckpointError
 
 # loss_fn(params, batch) -> (loss, metrics dict)
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
@@ -116,10 +117,30 @@ class SGDLearner(Learner):
             "counts": self._counter.save()}
 
   def restore(self, saved: dict) -> None:
-    state = TrainingState(*jax.tree_util.tree_map(jnp.asarray, tuple(saved["state"])))
-    if self._ema_decay and state.average is None:    # a run that kept no average until now
-      state = state._replace(average=state.params)
-    elif not self._ema_decay:
-      state = state._replace(average=None)
-    self._state = state
+    """Restores a `save()`d state. Checkpoints keep containers, not their types (a NamedTuple
+    comes back as a tuple), so each part is put back into the structure of this learner's own
+    state, leaf by leaf, and must fit it."""
+    params, opt_state, steps, *rest = saved["state"]
+    average = rest[0] if rest else None
+    mine = self._state
+
+    def fit(template, tree, what):
+      leaves = jax.tree_util.tree_leaves(tree)
+      want = jax.tree_util.tree_leaves(template)
+      if len(leaves) != len(want) or any(np.shape(a) != np.shape(b)
+                                         for a, b in zip(leaves, want)):
+        raise CheckpointError(f"the checkpoint's {what} does not fit this learner (another "
+                              "network or optimizer?)")
+      return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template),
+                                          [jnp.asarray(x) for x in leaves])
+
+    params = fit(mine.params, params, "parameters")
+    if not self._ema_decay:
+      average = None
+    elif average is None:    # a run that kept no average until now
+      average = params
+    else:
+      average = fit(mine.params, average, "parameter average")
+    self._state = TrainingState(params, fit(mine.opt_state, opt_state, "optimizer state"),
+                                jnp.asarray(steps), average)
     self._counter.restore(saved["counts"])

@@ -300,7 +300,7 @@ def test_checkpoint_round_trip_and_damage(tmp_path, env):
   learner = builder.make_learner(nets, builder.init_params(nets), iter([batch] * 5),
                                  logger=InMemoryLogger())
   learner.step(), learner.step()
-  path = str(tmp_path / "checkpoint.pkl")
+  path = str(tmp_path / checkpointing.FILENAME)
   checkpointing.save(path, {"learner": learner.save()})
   fresh = builder.make_learner(nets, builder.init_params(nets, seed=1), iter([batch] * 5),
                                logger=InMemoryLogger())

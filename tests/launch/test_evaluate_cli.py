@@ -107,7 +107,7 @@ def test_a_damaged_store_line_is_skipped_with_a_warning(capsys, tmp_path):
     (["--models", "mlp:small", "--meshes", "batch=8", "--agents", "mcts:0"],
      "agent 'mcts:0': mcts takes a positive integer"),
     (["--models", "mlp:small", "--meshes", "batch=8", "--agents", "policy:nowhere"],
-     "no checkpoint nowhere/checkpoint.pkl"),
+     "no checkpoint nowhere/checkpoint.ckpt"),
     (["--models", "mlp:small", "--meshes", "batch"], "bad mesh 'batch'"),
     (["--models", "mlp:small", "--meshes", "batch=8", "--memory-budget", "lots"],
      "bad memory size 'lots'"),

@@ -150,7 +150,7 @@ def test_propose_verifies_and_refuses_a_damaged_checkpoint(trained, capsys, tmp_
   import shutil
   copy = tmp_path / "copy"
   shutil.copytree(run_dir, copy)
-  path = copy / "checkpoint.pkl"
+  path = copy / "checkpoint.ckpt"
   data = bytearray(path.read_bytes())
   data[len(data) // 2] ^= 0xFF
   path.write_bytes(bytes(data))
