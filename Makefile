@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test bench scales clean
+.PHONY: install demo test bench scales fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,12 @@ scales: install
 	$(VENV)/bin/shardzero evaluate --suite scales --jobs 2 --store docs/scales/results.jsonl \
 	  --agents expert,greedy,mcts:100,ilp$(if $(wildcard runs/demo/checkpoint.ckpt),$(comma)policy:runs/demo$(comma)policy+mcts:runs/demo:10) \
 	  --markdown docs/scales.md --plots docs/scales
+
+# Random schedules against both lowerings (benchmarks/fuzz_partitioner.py): N of them, a report
+# in benchmarks/results/fuzz.json; fails if any partitioned program computes something else.
+N ?= 2000
+fuzz: install
+	$(PY) benchmarks/fuzz_partitioner.py --examples $(N) --out benchmarks/results/fuzz.json
 
 comma := ,
 

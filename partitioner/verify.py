@@ -84,13 +84,15 @@ def _close(expected, actual, rtol, atol, floor=np.float32) -> bool:
 
 
 def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
-           jax_mesh=None) -> Verification:
-  """Runs the unpartitioned program, the shard_map lowering and the jit lowering; compares."""
+           jax_mesh=None, expected=None) -> Verification:
+  """Runs the unpartitioned program, the shard_map lowering and the jit lowering; compares.
+  `expected`: the unpartitioned program's outputs on these inputs, if already known."""
   program = pp.program
   flat = example_inputs(args, seed)
   concrete = jax.tree_util.tree_unflatten(program.in_tree, flat)
   inputs = program.flatten_args(concrete)
-  expected = jax.jit(program.evaluate)(*inputs)
+  if expected is None:
+    expected = jax.jit(program.evaluate)(*inputs)
   mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
   results = {
       "shard_map": list(jax.jit(pp.lower_spmd(mesh).flat)(*inputs)),

@@ -346,3 +346,16 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   assert np.isclose(float(row["heldout_tight_cost_ratio"]), ratio)
   assert float(row["heldout_tight_fits"]) == float(fits)
   assert float(row["heldout_tight_within_10pct"]) == float(fits and ratio <= 1.1)
+
+
+def test_propose_is_deterministic(trained, capsys, tmp_path):
+  from tests.launch.test_determinism import without_wall_clock
+  run_dir = trained[0]
+  outs = []
+  for k, search in ((0, "greedy"), (1, "greedy"), (2, "mcts"), (3, "mcts")):
+    path = tmp_path / f"{k}.json"
+    code, _, err = run(capsys, "propose", "mlp:small", "--mesh", "batch=4,model=2", "--policy",
+                       str(run_dir), "--search", search, "--budget", "8", "--json", str(path))
+    assert code == 0, err
+    outs.append(json.dumps(without_wall_clock(json.loads(path.read_text())), sort_keys=True))
+  assert outs[0] == outs[1] and outs[2] == outs[3]
