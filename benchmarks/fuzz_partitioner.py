@@ -48,10 +48,23 @@ MAX_ENV_STEPS = 6
 
 @functools.lru_cache(maxsize=None)
 def model(family: str):
-  """(workload, program) of a family at its tiny preset."""
+  """(workload, program) of a family at its tiny preset. Float inputs that are all zeros (a
+  fresh optimizer's moments) are filled at random: at zero, Adam's first step is g / (|g| +
+  eps), which turns a rounding difference in a gradient that is exactly zero in theory (a key
+  bias under softmax) into a difference the size of the learning rate."""
   import corpus
+  import jax
   import partitioner as P
   workload = corpus.load(f"{family}:small", abstract=False)
+  rng = np.random.default_rng(0)
+
+  def fill(x):
+    if isinstance(x, jax.Array) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating) and \
+        x.size and not bool(jax.numpy.any(x)):
+      return jax.numpy.asarray(rng.uniform(0.01, 0.1, x.shape), x.dtype)
+    return x
+
+  workload = workload._replace(args=jax.tree_util.tree_map(fill, workload.args))
   return workload, P.trace(workload.fn, *workload.args)
 
 

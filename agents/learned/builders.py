@@ -219,6 +219,22 @@ class AlphaZeroBuilder(Builder):
 ALGORITHMS = {"ppo": (PPOBuilder, PPOConfig), "alphazero": (AlphaZeroBuilder, AlphaZeroConfig)}
 
 
+def _typed(algorithm: str, field: dataclasses.Field, value):
+  """A setting's value checked against the type of its default (an int is a float too)."""
+  from partitioner.errors import ShardzeroError
+  default = field.default
+  if default is dataclasses.MISSING or default is None or value is None:
+    return value
+  kind = type(default)
+  if kind is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    article = "an" if kind.__name__[0] in "aeiou" else "a"
+    raise ShardzeroError(f"{algorithm} setting {field.name} takes {article} {kind.__name__} "
+                         f"(like {default!r}), got {value!r}")
+  return value
+
+
 def make_builder(algorithm: str, config: dict | None = None, sizes=Sizes(4096, 8192, 512),
                  network: dict | None = None) -> Builder:
   """A builder by name with config overrides (what `shardzero train` saves in a run)."""
@@ -231,8 +247,10 @@ def make_builder(algorithm: str, config: dict | None = None, sizes=Sizes(4096, 8
   if unknown:
     raise ShardzeroError(f"unknown {algorithm} settings {sorted(unknown)}; "
                          f"known: {', '.join(sorted(fields))}")
+  config = {f.name: _typed(algorithm, f, (config or {})[f.name])
+            for f in dataclasses.fields(config_cls) if f.name in (config or {})}
   try:
-    algorithm_config = config_cls(**(config or {}))
+    algorithm_config = config_cls(**config)
   except ValueError as e:
     raise ShardzeroError(f"bad {algorithm} settings: {e}") from None
   return builder_cls(algorithm_config, Sizes(*sizes),
