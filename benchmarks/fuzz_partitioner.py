@@ -27,12 +27,6 @@ import sys
 import time
 from pathlib import Path
 
-# LLVM's optimization of the CPU code is left out (--optimize keeps it): what is checked is the
-# partitioner's rewriting and XLA's SPMD partitioning, which run either way, and compiling
-# takes half the time.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
-    "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8"
-    + ("" if "--optimize" in sys.argv else " --xla_backend_optimization_level=0"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
@@ -210,6 +204,13 @@ def main(argv=None) -> int:
   parser.add_argument("--optimize", action="store_true",
                       help="compile with LLVM's optimizations (about twice as slow)")
   args = parser.parse_args(argv)
+  # Before JAX starts. LLVM's optimization of the CPU code is left out unless --optimize: what
+  # is checked is the partitioner's rewriting and XLA's SPMD partitioning, which run either
+  # way, and compiling takes half the time.
+  os.environ["XLA_FLAGS"] = (
+      os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+      + " --xla_force_host_platform_device_count=8"
+      + ("" if args.optimize else " --xla_backend_optimization_level=0"))
   r = run(args.examples, args.seed, args.out)
   print(f"{r['tried']} schedules in {r['seconds']:.0f} s: {r['ok']} verified, "
         f"{r['refused']} refused, {r['wrong']} wrong "
