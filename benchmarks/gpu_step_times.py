@@ -123,9 +123,11 @@ def _exported(jax, meta: dict, bytecode: bytes, platform: str):
   return dataclasses.replace(stand_in, **changes)
 
 
-def _median_s(jax, fn, *args, repeat=10) -> float:
+def median_seconds(jax, fn, *args, repeat: int = 10, warmup: int = 1) -> float:
+  """The median wall time of `fn(*args)` over `repeat` runs after `warmup` runs."""
   import numpy as np
-  jax.block_until_ready(fn(*args))
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeat):
     t = time.perf_counter()
@@ -144,9 +146,9 @@ def ceilings(jax, n: int = 8192) -> dict:
     a = jax.random.uniform(jax.random.PRNGKey(1), (n, n), dtype)
     b = jax.random.uniform(jax.random.PRNGKey(2), (n, n), dtype)
     f = jax.jit(lambda x, y, p=precision: jax.numpy.matmul(x, y, precision=p))
-    out[name + "_tflops"] = 2 * n**3 / _median_s(jax, f, a, b) / 1e12
+    out[name + "_tflops"] = 2 * n**3 / median_seconds(jax, f, a, b) / 1e12
   x = jax.random.uniform(jax.random.PRNGKey(3), (16 * n * n,), "float32")
-  out["copy_tb_s"] = 2 * x.nbytes / _median_s(jax, jax.jit(lambda v: v * 1.0001), x) / 1e12
+  out["copy_tb_s"] = 2 * x.nbytes / median_seconds(jax, jax.jit(lambda v: v * 1.0001), x) / 1e12
   return out
 
 
@@ -178,19 +180,12 @@ def measure(directory: Path, out: Path, repeat: int, ceiling_size: int = 8192) -
       t0 = time.perf_counter()
       compiled = fn.lower(*args).compile()
       compile_s = time.perf_counter() - t0
-      for _ in range(2):
-        jax.block_until_ready(compiled(*args))
-      times = []
-      for _ in range(repeat):
-        t = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t)
+      step_s = median_seconds(jax, compiled, *args, repeat=repeat, warmup=2)
       mem = compiled.memory_analysis()
       cost = compiled.cost_analysis()
       cost = cost[0] if isinstance(cost, (list, tuple)) else cost
       results["models"][model] = {
-          "step_s": float(np.median(times)), "min_s": float(np.min(times)),
-          "compile_s": compile_s,
+          "step_s": step_s, "compile_s": compile_s,
           "xla_flops": float(cost.get("flops", 0.0)),
           "xla_bytes_accessed": float(cost.get("bytes accessed", 0.0)),
           "xla_footprint": int(mem.argument_size_in_bytes + mem.output_size_in_bytes +

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
@@ -28,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from scipy import stats  # noqa: E402
 
 import corpus  # noqa: E402
@@ -101,18 +99,12 @@ def measure(model, hardware, repeat):
   rows = []
   for name, (mesh, schedule) in TIMED.items():
     pp = P.apply(program, mesh, schedule)
-    fn = pp.jit(pp.mesh.to_jax())
-    args = workload.args
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeat):
-      t = time.perf_counter()
-      jax.block_until_ready(fn(*args))
-      times.append(time.perf_counter() - t)
+    measured = gpu_step_times.median_seconds(jax, pp.jit(pp.mesh.to_jax()), *workload.args,
+                                             repeat=repeat)
     predicted = simulate(pp, hardware).step_time_s
     rows.append({"model": model, "strategy": name, "schedule": schedule,
-                 "measured_s": float(np.median(times)), "predicted_s": predicted})
-    print(f"timed {model} / {name}: {np.median(times) * 1e3:.1f} ms, "
+                 "measured_s": measured, "predicted_s": predicted})
+    print(f"timed {model} / {name}: {measured * 1e3:.1f} ms, "
           f"predicted {predicted * 1e3:.1f} ms", flush=True)
   rho = stats.spearmanr([r["measured_s"] for r in rows], [r["predicted_s"] for r in rows])
   return rows, float(rho.statistic)

@@ -95,10 +95,31 @@ def _op_plan(state: ShardingState, op, memo: dict) -> OpPlan:
   return plan
 
 
+def _representable(fac_axes: tuple, fac, tensors, mesh) -> tuple:
+  """The factor axes without those some tensor cannot lay out: in a dimension made of several
+  factors (a reshape's merged dimension), a factor after one that is not split whole cannot be
+  split (its pieces would not be contiguous), so the op runs with it whole and the tensor that
+  has it split is resharded."""
+  out = None
+  for _, dfs in tensors:
+    for fl in dfs:
+      if len(fl) < 2:
+        continue
+      whole = True
+      for f in fl:
+        if not whole:
+          if fac_axes[f]:
+            out = out or list(fac_axes)
+            out[f] = ()
+        elif math.prod(mesh[a] for a in fac_axes[f]) != fac.sizes[f]:
+          whole = False
+  return fac_axes if out is None else tuple(out)
+
+
 def _plan_op(state: ShardingState, op) -> OpPlan:
   values, mesh = state.program.values, state.sizes
   fac, tensors, n_in = state.table[op.index][:3]
-  fac_axes = tuple(state.merge(op.index))
+  fac_axes = _representable(tuple(state.merge(op.index)), fac, tensors, mesh)
   operand_dims = tuple(_dims(dfs, fac_axes, fac.sizes, mesh) for _, dfs in tensors[:n_in])
   partial, reduce = (), "sum"
   for f, kind in enumerate(fac.kinds):

@@ -189,9 +189,10 @@ def test_what_a_loop_reads_from_outside_is_resharded_once_before_it():
   assert result.ok, result.errors
 
 
-@pytest.mark.parametrize("mesh,schedule", [("batch=8", "BatchParallel(batch)"),
-                                           ("batch=2,model=4", "BatchParallel(batch); Megatron(model)"),
-                                           ("batch=8", "ZeRO(batch, stage=3)")])
+@pytest.mark.parametrize("mesh,schedule", [
+    ("batch=8", "BatchParallel(batch)"),
+    ("batch=2,model=4", "BatchParallel(batch); Megatron(model)"),
+    ("batch=8", "ZeRO(batch, stage=3)")])
 def test_flax_nn_scan_with_a_train_state_partitions_as_a_loop(mesh, schedule):
   """Written by the Flax book: `nn.scan` over blocks, `TrainState.apply_gradients`."""
   fn, args = user_models.flax_scanned_blocks(layers=6)

@@ -39,3 +39,12 @@ def test_images_split_along_their_width_with_labels_split_by_batch():
   result = fuzz.check("resnet", "batch=2,model=4",
                       "Tile(batch/images, 2, batch); Tile(batch/labels, 0, batch)")
   assert result["outcome"] == "ok", result
+
+
+def test_reshape_merging_a_whole_factor_with_a_split_one():
+  """Found by the fuzzer: sequence parallelism on the MoE splits the expert-capacity dimension
+  that a reshape merges under a whole one ((8, 2, 16, 4) -> (8, 32, 4)); the plan ran the
+  reshape with the split kept, which no local layout can hold (the lowering failed). The split
+  factor now runs whole there and the tensor is resharded."""
+  result = fuzz.check("moe", "model=8", "SequenceParallel(model)")
+  assert result["outcome"] == "ok", result
