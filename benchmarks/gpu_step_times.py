@@ -49,7 +49,7 @@ def export(directory: Path, models: list[str], hardware: str, platform: str) -> 
 
   import corpus
   import partitioner as P
-  from partitioner.cost import simulate
+  from partitioner.cost import simulator as S
 
   directory.mkdir(parents=True, exist_ok=True)
   for model in models:
@@ -67,8 +67,8 @@ def export(directory: Path, models: list[str], hardware: str, platform: str) -> 
             isinstance(a, (np.ndarray, jax.Array)) else None for a in leaves]
     program = P.trace(workload.fn, *workload.args)
     pp = P.apply(program, "batch=1", "")
-    cost = simulate(pp, hardware, donate=False)
-    split = kernel_split(pp, hardware)
+    sim = S.Simulator(program, pp.mesh, S.load_hardware(hardware), None, False)
+    cost, split = sim(pp), kernel_split(sim, pp)
     meta = {
         "model": model,
         "inputs": [[list(a.shape), str(a.dtype)] for a in exported.in_avals],
@@ -88,14 +88,14 @@ def export(directory: Path, models: list[str], hardware: str, platform: str) -> 
           flush=True)
 
 
-def kernel_split(pp, hardware) -> dict:
+def kernel_split(sim, pp) -> dict:
   """The predicted compute time split between fused kernels holding a matmul or convolution
   and the rest (elementwise, reductions, gathers: bound by HBM traffic), and the kernel count."""
   import numpy as np
-  from partitioner.cost import simulator as S
-  sim = S.Simulator(pp.program, pp.mesh, S.load_hardware(hardware), None, False)
   work, hw = sim.work, sim.hardware
   _, flops, nbytes = sim.costs(pp)
+  if sim.op_weight is not None:   # loop bodies, once per iteration
+    flops, nbytes = flops * sim.op_weight, nbytes * sim.op_weight
   compute = np.bincount(work.group, flops / sim.rate, minlength=work.groups)
   memory = np.bincount(work.group, nbytes, minlength=work.groups) / (
       hw.hbm_bandwidth * hw.efficiency["memory"])

@@ -214,9 +214,6 @@ def stacked_dims(program: Program) -> dict[int, int]:
       if op.name in ("slice", "dynamic_slice") and op.inputs[0] == vid:
         out = program.values[op.outputs[0]].shape
         here = {d for d in range(value.rank) if out[d] == 1 and value.shape[d] > 1}
-      elif op.name == "scan" and op.inputs.index(vid) >= (
-          op.params["num_consts"] + op.params["num_carry"]):
-        here = {0}
       elif op.name == "scan_enter" and op.inputs.index(vid) >= op.params["num_carry"]:
         here = {0}
       else:

@@ -62,6 +62,9 @@ from partitioner.rules import elementwise, dot_general, shapes, reductions, inde
 from partitioner.rules import loops  # noqa: E402,F401
 
 
+# Tracing turns every `scan` into straight-line code or a loop region (rules/loops.py), so only
+# `while` and `cond` meet this rule; "scan" stays registered because node-kind ids of trained
+# policies are numbered from these names (environments/observations.py).
 @factor_rule("scan", "while", "cond")
 def _region(op, program):
   """Region ops keep their bodies whole for now: correct, but replicated."""
