@@ -66,9 +66,42 @@ class TerminalLogger(_Throttled):
     self._print(f"[{self._label.replace('_', ' ').title()}] {body}" if self._label else body)
 
 
+def _complete_length(path: str) -> int:
+  """The length of the file's complete lines: a process killed mid-write leaves a torn row."""
+  with open(path, "rb") as f:
+    data = f.read()
+  return data.rfind(b"\n") + 1
+
+
+def truncate_csv(path: str, column: str, last: float) -> int:
+  """Cuts the CSV file at `path` before its first row whose `column` exceeds `last`, in place
+  (a process appending to it keeps writing at the new end). A resumed learner drops the rows
+  of the updates its checkpoint lost, so they are not logged twice. Returns the rows cut."""
+  if not os.path.exists(path):
+    return 0
+  with open(path, "rb") as f:
+    lines = f.read()[:_complete_length(path)].splitlines(keepends=True)
+  if not lines:
+    return 0
+  header = next(csv.reader([lines[0].decode()]))
+  if column not in header:
+    return 0
+  index = header.index(column)
+  offset = len(lines[0])
+  for i, line in enumerate(lines[1:]):
+    row = next(csv.reader([line.decode()]))
+    if float(row[index]) > last:
+      os.truncate(path, offset)
+      return len(lines) - 1 - i
+    offset += len(line)
+  os.truncate(path, offset)
+  return 0
+
+
 class CSVLogger(_Throttled):
   """Appends records to `directory/label.csv` (or to a `.csv` path). The header is the first
-  record's keys; records with new keys are an error rather than a silently ragged file."""
+  record's keys; records with new keys are an error rather than a silently ragged file. A torn
+  last row (its writer was killed mid-row) is dropped when the file is opened again."""
 
   def __init__(self, directory_or_file: str, label: str = "logs", time_delta: float = 0.0):
     super().__init__(time_delta)
@@ -78,6 +111,8 @@ class CSVLogger(_Throttled):
       path = os.path.join(path, f"{label}.csv")
     self.file_path = path
     self._fields: list[str] | None = None
+    if os.path.exists(path):
+      os.truncate(path, _complete_length(path))
     if os.path.exists(path) and os.path.getsize(path) > 0:
       with open(path, newline="") as f:
         self._fields = next(csv.reader(f))  # resume: keep the existing columns

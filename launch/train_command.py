@@ -43,9 +43,13 @@ Algorithms:
              which the evaluator and 'propose' play (actors keep the latest).
 
 Progress shows learner updates, actor episodes/s, mean return and the held-out cost ratio.
-Ctrl-C, SIGTERM (kill, a scheduler's preemption) or the death of any process stops all of
-them (the one that died is named); the checkpoint keeps parameters, optimizer state and
-counters, and --resume continues the run.
+Faults: an actor or the evaluator that dies is started again (at most --max-restarts times
+each; the cause and its last log lines are printed), and the run goes on. Ctrl-C, SIGTERM
+(kill, a scheduler's preemption), or the death of the learner or the Reverb server stops
+every process; the checkpoint keeps parameters, optimizer state and counters, and --resume
+continues the run: at most --checkpoint-every updates are lost and redone, and the logs go on
+without duplicated rows (the rows of lost updates are dropped). A new Reverb server starts
+empty: PPO's queue refills at once, AlphaZero's replay after its minimum size.
 
 Across machines: start '--role replay --port P' on one machine, then on any machine
 '--role learner|actor|evaluator --reverb HOST:P --run-dir DIR' (actors take --actor-id). The
@@ -98,6 +102,8 @@ def add_parser(sub) -> None:
   p.add_argument("--port", type=int, help="port of the Reverb server (--role replay)")
   p.add_argument("--actor-id", type=int, default=0)
   p.add_argument("--no-evaluator", action="store_true", help="do not start the evaluator")
+  p.add_argument("--max-restarts", type=int, default=3, help="times an actor or the evaluator "
+                 "that dies is started again before the run stops (default 3)")
   p.set_defaults(run=run)
 
 
@@ -154,6 +160,8 @@ def run(args) -> int:
   from launch.training import (RunConfig, run_actor, run_evaluator, run_learner, run_replay)
   from partitioner.errors import ShardzeroError
   if args.role == "launcher":
+    if args.max_restarts < 0:
+      raise ShardzeroError("--max-restarts must not be negative")
     config = make_config(args)
     config.save(args.run_dir)
     return launch(config, args)
@@ -192,9 +200,26 @@ class _Process:
   def __init__(self, name: str, argv: list[str], log_path: str):
     self.name = name
     self.log_path = log_path
+    self.restarts = 0
+    self._argv = argv
     self._log = open(log_path, "a")
-    self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    self.popen = self._start()
+
+  def _start(self) -> subprocess.Popen:
+    return subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+  def restart(self) -> None:
+    self.restarts += 1
+    self._log.write(f"--- started again by the launcher (restart {self.restarts}) ---\n")
+    self._log.flush()
+    self.popen = self._start()
+
+  def cause(self) -> str:
+    code = self.popen.returncode
+    if code is not None and code < 0:
+      return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
   def tail(self, lines: int = 15) -> str:
     with open(self.log_path, errors="replace") as f:
@@ -258,8 +283,15 @@ def launch(config, args) -> int:
             failed = learner
           break
         dead = [p for p in procs if p.popen.poll() is not None]
-        if dead:
-          failed = dead[0]
+        for p in dead:
+          if p.name == "replay" or p.restarts >= args.max_restarts:
+            failed = p
+            break
+          print(f"shardzero train: the {p.name} process {p.cause()}; starting it again "
+                f"({p.restarts + 1} of {args.max_restarts}). Last lines of {p.log_path}:\n"
+                f"{p.tail(5)}", file=sys.stderr, flush=True)
+          p.restart()
+        if failed is not None:
           break
         time.sleep(1.0)
   except KeyboardInterrupt:
@@ -272,9 +304,9 @@ def launch(config, args) -> int:
     _stop([p for p in procs if p.name == "replay"])
     _stop([p for p in procs if p.name not in ("learner", "replay")])
   if failed is not None:
-    print(f"shardzero train: the {failed.name} process exited with code "
-          f"{failed.popen.returncode}; stopped the others. Last lines of {failed.log_path}:\n"
-          f"{failed.tail()}", file=sys.stderr)
+    print(f"shardzero train: the {failed.name} process {failed.cause()}; stopped the others. "
+          f"Last lines of {failed.log_path}:\n{failed.tail()}\n"
+          f"continue with: shardzero train --run-dir {run_dir} --resume", file=sys.stderr)
     return 1
   if interrupted:
     print(f"stopped; continue with: shardzero train --run-dir {run_dir} --resume",

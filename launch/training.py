@@ -197,6 +197,7 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   path = os.path.join(run_dir, checkpointing.FILENAME)
   if resume and (os.path.exists(path) or checkpointing.is_pickled_run(run_dir)):
     learner.restore(checkpointing.load(run_dir)["learner"])   # a pickled one is refused
+    _forget_lost_updates(run_dir, learner.version)
   elif os.path.exists(path) or checkpointing.is_pickled_run(run_dir):
     raise ShardzeroError(f"{run_dir} already has a checkpoint: pass --resume to continue it, "
                          "or choose another --run-dir")
@@ -227,6 +228,24 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   return learner.version
 
 
+def _forget_lost_updates(run_dir: str, version: int) -> None:
+  """After a crash, the updates past the checkpoint's `version` are lost and will be redone:
+  their rows leave the learner's and the evaluator's logs (which then continue without
+  duplicates), and a checkpoint the crash left half-written is deleted."""
+  import glob
+  from agents.loggers import truncate_csv
+  from learners import checkpointing
+  logs = os.path.join(run_dir, "logs")
+  cut = {name: truncate_csv(os.path.join(logs, f"{name}.csv"), column, version)
+         for name, column in (("learner", "steps"), ("evaluator", "version"))}
+  for tmp in glob.glob(os.path.join(run_dir, checkpointing.FILENAME + ".tmp.*")):
+    os.remove(tmp)
+  if any(cut.values()):
+    print(f"learner: resumed at update {version}; the updates after it were lost with the "
+          f"process that ran them and are redone ({cut['learner']} learner and "
+          f"{cut['evaluator']} evaluator log rows dropped)", flush=True)
+
+
 def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
               episodes: Optional[int] = None) -> None:
   """Plays training tasks with the latest parameters, writing experience to replay."""
@@ -241,18 +260,19 @@ def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
   client = _client(address)
   networks = builder.make_networks()
   source = ReverbVariableSource(client, builder.params_treedef(networks))
-  env = PartitioningEnv(config.train_tasks(), seed=config.seed * 1000 + actor_id,
-                        config=config.env_config(), pad_to=Sizes(*config.sizes))
-  adder = builder.make_adder(client)
-  actor = builder.make_actor(env, networks, source, adder, seed=config.seed * 1000 + actor_id,
-                             update_period=config.variable_update_period)
   label = f"actor_{actor_id}"
-  csv_path = os.path.join(run_dir, "logs", f"{label}.csv")
+  logger = CSVLogger(os.path.join(run_dir, "logs"), label)   # drops a row torn by a crash
   counter = Counter()
-  last = _last_row(csv_path)     # a resumed actor keeps counting where it stopped
+  last = _last_row(logger.file_path)     # a restarted actor keeps counting where it stopped
   if last:
     counter.restore({"episodes": float(last["episodes"]), "steps": float(last["steps"])})
-  logger = CSVLogger(os.path.join(run_dir, "logs"), label)
+  # A restarted actor plays on from its episode count rather than replaying its first tasks.
+  seed = config.seed * 1000 + actor_id + 1_000_003 * int(counter.get_counts().get("episodes", 0))
+  env = PartitioningEnv(config.train_tasks(), seed=seed, config=config.env_config(),
+                        pad_to=Sizes(*config.sizes))
+  adder = builder.make_adder(client)
+  actor = builder.make_actor(env, networks, source, adder, seed=seed,
+                             update_period=config.variable_update_period)
   loop = EnvironmentLoop(env, actor, counter=counter, logger=_EpisodeRecord(logger, actor, env))
   pretrain = getattr(builder.config, "pretrain_steps", 0)
   try:

@@ -100,6 +100,25 @@ def test_loggers_write_terminal_lines_and_csv(tmp_path):
   assert [(r["step"], r["loss"]) for r in rows] == [("1", "0.5"), ("2", "0.25"), ("3", "0.125")]
 
 
+def test_a_row_torn_by_a_crash_is_dropped_and_lost_updates_are_cut(tmp_path):
+  from agents.loggers import truncate_csv
+  path = tmp_path / "learner.csv"
+  logger = CSVLogger(str(path))
+  for step in (1, 2, 3, 4):
+    logger.write({"steps": step, "loss": 1.0 / step})
+  logger.close()
+  with open(path, "a") as f:
+    f.write("5,0.1")                     # killed mid-row: no line end
+  appending = CSVLogger(str(path))       # a restarted writer drops the torn row
+  assert truncate_csv(str(path), "steps", 2) == 2    # rows 3 and 4: updates the crash lost
+  appending.write({"steps": 3, "loss": 0.3})         # goes on at the new end of the file
+  appending.close()
+  rows = list(csv.DictReader(open(path)))
+  assert [(r["steps"], r["loss"]) for r in rows] == [("1", "1.0"), ("2", "0.5"), ("3", "0.3")]
+  assert truncate_csv(str(path), "steps", 10) == 0
+  assert truncate_csv(str(tmp_path / "missing.csv"), "steps", 0) == 0
+
+
 def test_environment_spec_and_learner_defaults():
   spec = make_environment_spec(Countdown())
   assert spec.actions.num_values == 3 and spec.observations.dtype == np.int32
