@@ -11,6 +11,9 @@ docs/validation.md and benchmarks/results/validation.json.
    ordering is what is compared.
 4. Step time on one GPU: the table `benchmarks/gpu_step_times.py` measured on a lent GPU
    (docs/gpu/*.json), carried over as it stands, since this machine has none.
+5. Collective combining at scale: data parallelism and ZeRO on H100 clusters of 256 and 1024
+   GPUs, predicted with and without the combiner (collectives launched, communication and
+   step time).
 """
 
 from __future__ import annotations
@@ -55,6 +58,13 @@ TIMED = {  # a spread of strategies to rank, including poor ones
     "batch 2 on a 2 x 4 mesh": ("batch=2,model=4", "BatchParallel(batch)"),
     "Megatron 2 on a 4 x 2 mesh": ("batch=4,model=2", "Megatron(model)"),
 }
+COMBINED = [  # (model, mesh, strategy, schedule): weak scaling at 2 sequences per GPU
+    (model, mesh, name, schedule)
+    for model, mesh in (("gpt:350m,batch=2048", "batch=1024"), ("gpt:1.3b,batch=512", "batch=256"),
+                        ("t5:large,batch=512", "batch=256"))
+    for name, schedule in (("data parallel", "BatchParallel(batch)"),
+                           ("ZeRO-1", "BatchParallel(batch); ZeRO(batch, stage=1)"),
+                           ("ZeRO-3", "BatchParallel(batch); ZeRO(batch, stage=3)"))]
 MODELS_CHECKED = ["mlp:small", "gpt:small", "gpt:small,batch=32,seq=64"]
 MODELS_TIMED = ["mlp:small,width=1024,batch=256", "gpt:small,d_model=128,batch=16,seq=64"]
 
@@ -112,6 +122,41 @@ def measure(model, hardware, repeat):
 
 def ratio(a, b):
   return f"{a / b:.2f}" if b else ("1.00" if not a else "n/a")
+
+
+def combining() -> list[dict]:
+  """Each COMBINED case simulated on H100s with the combiner and without it."""
+  from environments.tasks import load_program, uncombined
+  rows = []
+  for model, mesh, name, schedule in COMBINED:
+    pp = P.apply(load_program(model), mesh, schedule)
+    row = {"model": model, "mesh": mesh, "strategy": name}
+    for label, hardware in (("separate", uncombined("h100")), ("combined", "h100")):
+      cost = simulate(pp, hardware)
+      row[label] = {"step_s": cost.step_time_s, "comm_s": cost.comm_s,
+                    "exposed_s": cost.exposed_comm_s, "collectives": len(cost.collectives),
+                    "launches": sum(d["launches"] for d in cost.decompositions())}
+    rows.append(row)
+    print(f"combining: {model} on {mesh}, {name}", flush=True)
+  return rows
+
+
+def render_combining(rows) -> str:
+  ms = lambda s: f"{s * 1e3:.1f}"
+  lines = ["", "## Collective combining at scale (predicted, H100)", "",
+           "Data parallelism and ZeRO at 2 sequences per GPU, each collective launched alone "
+           "and with XLA:GPU's combiner threshold (30 MiB): launches, all collective time, "
+           "the part compute waits for, and the step.", "",
+           "| model | devices | strategy | launches | comm ms | exposed ms | step ms | "
+           "step ratio |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    a, b = r["separate"], r["combined"]
+    devices = r["mesh"].split("=")[1]
+    lines.append(f"| {r['model']} | {devices} | {r['strategy']} | {a['launches']:.0f} -> "
+                 f"{b['launches']:.0f} | {ms(a['comm_s'])} -> {ms(b['comm_s'])} | "
+                 f"{ms(a['exposed_s'])} -> {ms(b['exposed_s'])} | {ms(a['step_s'])} -> "
+                 f"{ms(b['step_s'])} | {b['step_s'] / a['step_s']:.2f} |")
+  return "\n".join(lines) + "\n"
 
 
 def render(checked, timed, correlations, hardware, device) -> str:
@@ -178,13 +223,16 @@ def main(argv=None) -> int:
       correlations[m] = rho
   device = f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices"
   text = render(checked, timed, correlations, args.hardware, device)
+  combined = combining()
+  text += render_combining(combined)
   for table in sorted(Path("docs/gpu").glob("*.json")):
     text += "\n" + gpu_step_times.render(json.loads(table.read_text()))
   Path(args.out).write_text(text)
   results = Path("benchmarks/results/validation.json")
   results.parent.mkdir(parents=True, exist_ok=True)
   results.write_text(json.dumps({"checked": checked, "timed": timed,
-                                 "spearman": correlations}, indent=2) + "\n")
+                                 "spearman": correlations, "combining": combined},
+                                indent=2) + "\n")
   print(f"wrote {args.out} and {results}")
   for m, rho in correlations.items():
     print(f"spearman {m}: {rho:.2f}")

@@ -55,16 +55,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 SPLITS = ("train", "heldout", "real")
 
 # At one preset each train family has one best expert strategy, so the training tasks would
-# demonstrate only a few strategy families (hsdp, megatron, dp) and never convolutions that
-# want data parallelism. These batch sizes make another family win on batch=4,model=2 (mini:
-# gpt and bert at small batches: dp+megatron+vocab; vit: dp+megatron; resnet at a large batch:
-# dp, where at 256 nothing beats leaving it unpartitioned). The next four lie between those
-# sizes (8k tokens a step, a quarter of the sequence, an MLP at 16x the batch): the best
-# strategy follows the work a step does per parameter byte, not the family, and a policy
-# that sees both sides of the boundary learns that instead of the family's name.
-TRAIN_VARIANTS = {"mini": ("gpt:mini,batch=8", "bert:mini,batch=16", "vit:mini,batch=32",
-                           "resnet:mini,batch=1024", "gpt:mini,batch=16", "bert:mini,batch=32",
-                           "mlp:mini,batch=8192", "gpt:mini,seq=128")}
+# demonstrate only a few strategy families (zero2, megatron, dp) and never the Megatron
+# mixtures that small batches want. These batch sizes make another family win on
+# batch=4,model=2 with H100's collective combining (mini: gpt at 4 and bert at 8 sequences:
+# dp+megatron+vocab; vit at 16: dp+megatron+zero1; resnet at a large batch: dp, where at 256
+# nothing beats leaving it unpartitioned). The next four lie on the other side of those
+# boundaries (gpt at 8, bert at 16: zero2) or between them (an MLP at 2k and 32k examples:
+# dp+megatron+zero3 and zero3): the best strategy follows the work a step does per parameter
+# byte, not the family, and a policy that sees both sides of a boundary learns that instead
+# of the family's name.
+TRAIN_VARIANTS = {"mini": ("gpt:mini,batch=4", "bert:mini,batch=8", "vit:mini,batch=16",
+                           "resnet:mini,batch=1024", "gpt:mini,batch=8", "bert:mini,batch=16",
+                           "mlp:mini,batch=2048", "mlp:mini,batch=32768")}
 
 
 def split(name: str) -> list[str]:

@@ -165,12 +165,14 @@ def _print_cost(out, cost) -> None:
   parts = ", ".join(f"{k.replace('_', ' ')} {h(v)}" for k, v in m.breakdown.items())
   out.print(f"memory per device: peak {h(m.peak_bytes)} of {h(m.capacity_bytes)}, {status} "
             f"(at the peak: {parts})")
-  rows = [(d["kind"], "+".join(d["axes"]), d["decomposition"], d["count"], h(d["bytes"]),
-           ms(d["seconds"]), ms(d["exposed_seconds"])) for d in cost.decompositions()]
-  if rows:
-    out.print(report.table("collective time per device", ["kind", "axes", "run as", "count",
-                                                           "bytes", "time", "exposed"], rows,
-                           justify={3: "right", 4: "right", 5: "right", 6: "right"}))
+  rows = [(d["kind"], "+".join(d["axes"]), d["decomposition"], d["count"],
+           f"{d['launches']:.0f}", h(d["bytes"]), ms(d["seconds"]), ms(d["exposed_seconds"]))
+          for d in cost.decompositions()]
+  if rows:   # launches: fewer than tensors where the combiner joins them
+    out.print(report.table("collective time per device", ["kind", "axes", "run as", "tensors",
+                                                           "launches", "bytes", "time",
+                                                           "exposed"], rows,
+                           justify={k: "right" for k in range(3, 8)}))
 
 
 def _print(args, pp, result, verification, xla, cost) -> None:

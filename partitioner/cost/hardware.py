@@ -38,6 +38,9 @@ DEFAULT_EFFICIENCY = {
 }
 
 
+COMBINE_THRESHOLD = 30 * 2**20   # XLA:GPU's default for each of the three combiners
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   name: str
@@ -51,6 +54,9 @@ class Hardware:
   efficiency: Mapping[str, float] = dataclasses.field(
       default_factory=lambda: dict(DEFAULT_EFFICIENCY))
   overlap_collectives: bool = True  # collectives run beside compute (async) or not
+  # Independent all-reduces, all-gathers or reduce-scatters over the same devices are combined
+  # into one of at most this many bytes (XLA's combiner passes; FSDP and DDP buckets); 0: never.
+  combine_threshold_bytes: int = COMBINE_THRESHOLD
 
   def __hash__(self) -> int:  # the mappings are not hashable; equal specs share a name
     return hash(self.name)
@@ -99,6 +105,9 @@ class Hardware:
         efficiency[k] = _positive(v, f"efficiency.{k}")
       values["efficiency"] = efficiency
       values["overlap_collectives"] = bool(values.get("overlap_collectives", True))
+      values["combine_threshold_bytes"] = int(_positive(
+          values.get("combine_threshold_bytes", COMBINE_THRESHOLD), "combine_threshold_bytes",
+          allow_zero=True))
       values["name"], values["description"] = str(values["name"]), str(values["description"])
     except (TypeError, ValueError, AttributeError) as e:
       raise HardwareError(f"{source}: {e}") from None
@@ -149,7 +158,7 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
              "per-device share of a small machine, for checking orderings locally",
              {"float32": 20e9, "bfloat16": 5e9}, 8 * GiB, 10e9, 64,
              Link("memory", 5e9, 20e-6), Link("memory", 5e9, 20e-6),
-             overlap_collectives=False),
+             overlap_collectives=False, combine_threshold_bytes=0),   # XLA:CPU combines none
 ]}
 
 ALIASES = {"a100": "a100-80gb", "h100-80gb": "h100", "v3": "tpu-v3", "v4": "tpu-v4",

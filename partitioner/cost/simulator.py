@@ -18,6 +18,8 @@ from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.memory import MemoryReport, ProgramLiveness, memory
 from partitioner.cost.topology import Placement
 
+COMBINED_KINDS = ("all-reduce", "all-gather", "reduce-scatter")   # XLA has a combiner for each
+
 
 class CollectiveCost(NamedTuple):
   kind: str
@@ -28,6 +30,7 @@ class CollectiveCost(NamedTuple):
   decomposition: str
   value: int
   op: int
+  combined: float = 1.0     # tensors per combined collective it runs in (1: alone)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +44,20 @@ class CostReport:
   hbm_bytes: float          # per device, at fused-kernel boundaries
   memory: MemoryReport
   placement: dict           # mesh axis -> "intra", "inter" or "both"
-  # The plan's collectives, their times and exposed seconds; `collectives` pairs them up when
-  # read (a search reads the totals only).
-  timed_collectives: tuple = dataclasses.field(default=((), (), ()), repr=False)
+  # The plan's collectives, their times, exposed seconds and combined buckets; `collectives`
+  # pairs them up when read (a search reads the totals only).
+  timed_collectives: tuple = dataclasses.field(default=((), (), (), None), repr=False)
 
   @functools.cached_property
   def collectives(self) -> list[CollectiveCost]:
-    return [CollectiveCost(c.kind, c.axes, c.bytes, t.seconds, e, t.decomposition, c.value, c.op)
-            for c, t, e in zip(*self.timed_collectives)]
+    collectives, timed, exposed, buckets = self.timed_collectives
+    if buckets is None:
+      return [CollectiveCost(c.kind, c.axes, c.bytes, t.seconds, e, t.decomposition, c.value,
+                             c.op) for c, t, e in zip(collectives, timed, exposed)]
+    seconds, launches, decompositions = buckets   # shares of the buckets they ran in
+    return [CollectiveCost(c.kind, c.axes, c.bytes, t, e, d, c.value, c.op, 1.0 / l)
+            for c, t, e, d, l in zip(collectives, seconds.tolist(), exposed, decompositions,
+                                     launches.tolist())]
 
   @property
   def fits(self) -> bool:
@@ -59,13 +68,15 @@ class CostReport:
     return self.memory.peak_bytes
 
   def decompositions(self) -> list[dict]:
-    """Per (kind, axes): how each collective is run across the link levels, and its time."""
+    """Per (kind, axes): how each collective is run across the link levels, and its time;
+    `count` tensors in `launches` collectives (fewer where the combiner joined them)."""
     groups: dict = {}
     for c in self.collectives:
       g = groups.setdefault((c.kind, c.axes, c.decomposition), {
           "kind": c.kind, "axes": list(c.axes), "decomposition": c.decomposition, "count": 0,
-          "bytes": 0, "seconds": 0.0, "exposed_seconds": 0.0})
+          "launches": 0.0, "bytes": 0, "seconds": 0.0, "exposed_seconds": 0.0})
       g["count"] += 1
+      g["launches"] += 1.0 / c.combined
       g["bytes"] += c.bytes
       g["seconds"] += c.seconds
       g["exposed_seconds"] += c.exposed_seconds
@@ -83,6 +94,15 @@ class CostReport:
 class _Derived(NamedTuple):
   """What one simulator computed for one partitioned program, kept for its children."""
   divisors: np.ndarray                    # per value: into how many pieces it is cut
+
+
+class _Buckets(NamedTuple):
+  """Combined collectives: units (a collective, or one layer's copy of a folded one) and the
+  buckets they run in."""
+  member: np.ndarray      # per unit: the collective
+  bucket: np.ndarray      # per unit: its bucket
+  size: np.ndarray        # per bucket: bytes of one launch
+  repeat: np.ndarray      # per bucket: launches per step (a loop's trips, a folded layer's)
 
 
 class _PlanArrays(NamedTuple):
@@ -220,25 +240,201 @@ class Simulator:
     hw, work = self.hardware, self.work
     a = self.arrays(pp.plan)
     divisors, flops, nbytes = self.costs(pp, a)
-    timed = self.times(pp.collectives)
-    durations = [t.seconds for t in timed]
+    collectives = pp.collectives
+    timed = self.times(collectives)
+    durations = np.array([t.seconds for t in timed])
     if self.op_weight is not None:
       weight = self.op_weight
       flops, nbytes = flops * weight, nbytes * weight
-      durations = (np.array(durations) * weight[a.op]).tolist()
+      durations = durations * weight[a.op]
     compute = np.bincount(work.group, flops / self.rate, minlength=work.groups)
     memory_s = np.bincount(work.group, nbytes, minlength=work.groups) / (
         hw.hbm_bandwidth * hw.efficiency["memory"])
     kernels = np.maximum(compute, memory_s)
-    exposed = self._schedule(a, durations, kernels)
+    ready, waits = self._places(a)
+    buckets = (self._combine(collectives, a, ready, waits)
+               if hw.combine_threshold_bytes and len(collectives) > 1 else None)
+    if buckets is None:
+      exposed = self._run(ready, waits, durations.tolist(), kernels)
+    else:
+      durations, exposed, buckets = self._run_combined(collectives, buckets, a, ready, waits,
+                                                       kernels)
     compute_s = float(kernels.sum())
     mem = memory(self.liveness, divisors, (a.copy_value, a.copy_pieces, a.copy_issue, a.copy_last),
                  (a.staged_op, a.staged_value, a.staged_pieces), hw.hbm_bytes)
-    return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s, float(sum(durations)),
-                      float(sum(exposed)), float(flops.sum()), float(nbytes.sum()), mem,
-                      self.placement.describe(), (pp.collectives, timed, exposed))
+    return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s,
+                      float(np.sum(durations)), float(sum(exposed)), float(flops.sum()),
+                      float(nbytes.sum()), mem, self.placement.describe(),
+                      (collectives, timed, exposed, buckets))
 
-  def _schedule(self, a: _PlanArrays, durations, kernels) -> list[float]:
+  def _places(self, a: _PlanArrays) -> tuple[np.ndarray, np.ndarray]:
+    """Per collective: the place in the run order where it can be issued, and the place of the
+    first kernel that waits for its result (_NEVER: only the outputs need it)."""
+    at, producer = self.work.group, self.work.producer
+    copy = np.maximum(a.copy, 0)
+    made = at[producer[a.value]] + 1
+    made[producer[a.value] < 0] = 0
+    first_wait = np.full(len(a.copy_value) + 1, _NEVER, np.int64)
+    np.minimum.at(first_wait, a.read_copy, at[a.read_op])
+    if len(a.copy_value):
+      made = np.maximum(made, at[a.copy_issue[copy]])
+    ready = np.where(a.copy >= 0, made, at[a.op] + 1)
+    waits = np.maximum(np.where(a.copy >= 0, first_wait[copy], self.first_read[a.value]), ready)
+    return ready, waits
+
+  def _combine(self, collectives, a: _PlanArrays, ready, waits) -> _Buckets | None:
+    """Buckets of collectives run as one, as XLA's combiners form them: the same kind,
+    reduction and devices, independent (each is issued before any of them is awaited), in the
+    order they become ready, up to the hardware's threshold in bytes; a loop body's within an
+    iteration, and run once per trip. A folded layer's collectives are packed within the layer
+    and their buckets run once per layer it stands for, except those every layer makes before
+    any is read (gradients reduced for the optimizer): those are packed once per layer, so
+    they fill buckets across layers as in the deep program. None when nothing combines."""
+    threshold = self.hardware.combine_threshold_bytes
+    n = len(collectives)
+    region = self.program.region_of[a.op].tolist() if self.program.regions else [-1] * n
+    weight = self.op_weight[a.op].tolist() if self.op_weight is not None else [1.0] * n
+    fold = self.folding.op_weight[a.op].tolist() if self.folding is not None else [1.0] * n
+    spreads = self._read_after_block(ready, waits) if self.folding is not None else [False] * n
+    waits_l, ready_l = waits.tolist(), ready.tolist()
+    base = [(c.kind, c.reduce, c.axes, region[k]) if c.kind in COMBINED_KINDS else None
+            for k, c in enumerate(collectives)]
+    candidate = [b is not None and fold[k] > 1 and region[k] < 0 and spreads[k]
+                 for k, b in enumerate(base)]
+    # A collective of the layer awaited at once between them (a statistic of the backward
+    # pass) closes the layer's bucket in the deep program: then its copies do not combine.
+    span: dict = {}
+    for k, b in enumerate(base):
+      if candidate[k]:
+        lo, hi = span.get(b, (ready_l[k], ready_l[k]))
+        span[b] = min(lo, ready_l[k]), max(hi, ready_l[k])
+    closed = {b for k, b in enumerate(base) if b in span and not candidate[k] and fold[k] > 1
+              and span[b][0] <= ready_l[k] <= span[b][1]}
+    keys: dict = {}
+    key, layers = [-1] * n, [0] * n     # layers: copies packed one by one (0: none)
+    for k, b in enumerate(base):
+      if b is not None:
+        layers[k] = int(fold[k]) if candidate[k] and b not in closed else 0
+        key[k] = keys.setdefault((*b, 1.0 if layers[k] else weight[k]), len(keys))
+    members: list[int] = []
+    buckets: list[int] = []
+    size: list[int] = []
+    repeat: list[float] = []
+    deadline: list[int] = []
+    open_ = [-1] * len(keys)
+    runs: list[list[int]] = [[] for _ in keys]
+
+    def place(k: int, g: int) -> None:
+      b = open_[g] if g >= 0 else -1
+      nbytes, times = collectives[k].bytes, 1.0 if layers[k] else weight[k]
+      if b >= 0 and size[b] + nbytes <= threshold and ready_l[k] <= deadline[b]:
+        size[b] += nbytes
+        deadline[b] = min(deadline[b], waits_l[k])
+      else:
+        b = len(size)
+        size.append(nbytes), deadline.append(waits_l[k]), repeat.append(times)
+        if g >= 0:
+          open_[g] = b
+      members.append(k), buckets.append(b)
+
+    def flush(g: int) -> None:
+      run = runs[g]
+      for _ in range(layers[run[0]] if run else 0):
+        for k in run:
+          place(k, g)
+      run.clear()
+
+    # A folded block need not start where a layer does: members of the key that become ready
+    # among its collectives are packed before its copies rather than splitting them.
+    run_end = [-1] * len(keys)
+    for k in range(n):
+      if layers[k]:
+        run_end[key[k]] = max(run_end[key[k]], ready_l[k])
+    for k in np.lexsort((np.arange(n), ready)).tolist():
+      g = key[k]
+      if g >= 0 and layers[k]:
+        runs[g].append(k)
+        continue
+      if g >= 0 and ready_l[k] > run_end[g]:
+        flush(g)
+      place(k, g)
+    for g in range(len(keys)):
+      flush(g)
+    if len(size) == n and len(members) == n:
+      return None
+    return _Buckets(np.array(members), np.array(buckets), np.array(size, np.float64),
+                    np.array(repeat))
+
+  @functools.cached_property
+  def _unfolded_before(self) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per place in the run order: whether its kernel stands for several layers, and how many
+    kernels before it stand for one; and a tenth of the kernels that stand for several (about
+    a tenth of one layer's)."""
+    least = np.ones(self.work.groups + 1)       # a kernel fusing ops of both kinds stands for one
+    least[:-1] = np.inf
+    np.minimum.at(least, self.work.group, self.folding.op_weight)
+    folded = least > 1
+    return folded, np.concatenate([[0], np.cumsum(~folded)]), max(1, int(folded.sum()) // 10)
+
+  def _read_after_block(self, ready, waits) -> list[bool]:
+    """Per collective: whether every layer's copy of it is made before any is read in the deep
+    program, so that the copies combine with each other: nothing reads it, or a kernel of one
+    layer does (a sum over the layers' gradient norms), or one of the folded layer's that runs
+    after a stretch of one-layer kernels (the optimizer, after the first layer's backward
+    pass; a stray op between two parts of the folded layer's does not count)."""
+    folded, before, stretch = self._unfolded_before
+    last = len(folded) - 1
+    at = np.minimum(waits, last)
+    return ((waits >= _NEVER) | ~folded[at] |
+            (before[at] - before[np.minimum(ready, last)] >= stretch)).tolist()
+
+  def _run_combined(self, collectives, buckets: _Buckets, a: _PlanArrays, ready, waits,
+                    kernels):
+    """The schedule of the buckets: alike buckets (the same collectives, as in each copy of a
+    folded layer) run as one event of their summed time, at their collectives' places in this
+    program. A collective's time and exposed time are its share, by bytes, of those of the
+    buckets its copies run in. Returns (per event: seconds, per collective: exposed seconds,
+    the per-collective figures for the report)."""
+    member, bucket, size, repeat = buckets
+    m, n = len(size), len(collectives)
+    order = np.lexsort((member, bucket))
+    bounds = np.flatnonzero(np.diff(bucket[order])) + 1
+    signature = {}
+    event = np.empty(m, np.int64)
+    for b, group in zip(bucket[order][np.concatenate([[0], bounds])].tolist(),
+                        np.split(member[order], bounds)):
+      event[b] = signature.setdefault(tuple(group.tolist()), len(signature))
+    first = np.full(m, len(member), np.int64)
+    np.minimum.at(first, bucket, np.arange(len(member)))
+    lead = member[first]
+    bucket_timed = [self.collective(collectives[k].kind, int(b), collectives[k].axes)
+                    for k, b in zip(lead.tolist(), size.tolist())]
+    one = np.array([t.seconds for t in bucket_timed]) * repeat   # per bucket, per step
+    e = len(signature)
+    durations = np.bincount(event, one, minlength=e)
+    unit_event = event[bucket]
+    e_ready = np.zeros(e, np.int64)
+    np.maximum.at(e_ready, unit_event, ready[member])
+    e_waits = np.full(e, _NEVER, np.int64)
+    np.minimum.at(e_waits, unit_event, waits[member])
+    exposed_e = np.array(self._run(e_ready, np.maximum(e_waits, e_ready), durations.tolist(),
+                                   kernels))
+    nbytes = np.array([c.bytes for c in collectives], np.float64)
+    share = nbytes[member] / size[bucket]
+    seconds_u = one[bucket] * share
+    exposed_u = exposed_e[unit_event] * np.divide(seconds_u, durations[unit_event],
+                                                  out=np.zeros(len(member)),
+                                                  where=durations[unit_event] > 0)
+    exposed = np.bincount(member, exposed_u, minlength=n)
+    weight = self.op_weight[a.op] if self.op_weight is not None else np.ones(n)
+    tensors = np.bincount(bucket, minlength=m)
+    seconds = np.bincount(member, seconds_u, minlength=n) / weight
+    launches = np.bincount(member, repeat[bucket] / tensors[bucket], minlength=n) / weight
+    report = (seconds, launches, [bucket_timed[b].decomposition
+                                  for b in bucket[np.unique(member, return_index=True)[1]]])
+    return durations, exposed.tolist(), report
+
+  def _run(self, ready, waits, durations, kernels) -> list[float]:
     """Per collective, the compute idle time spent while it ran.
 
     Kernels run in a fixed order (ProgramWork.order); the time at place p is the sum of the
@@ -251,16 +447,6 @@ class Simulator:
       return exposed
     if not self.hardware.overlap_collectives:  # run in line
       return list(durations)
-    at, producer = self.work.group, self.work.producer
-    copy = np.maximum(a.copy, 0)
-    made = at[producer[a.value]] + 1
-    made[producer[a.value] < 0] = 0
-    first_wait = np.full(len(a.copy_value) + 1, _NEVER, np.int64)
-    np.minimum.at(first_wait, a.read_copy, at[a.read_op])
-    if len(a.copy_value):
-      made = np.maximum(made, at[a.copy_issue[copy]])
-    ready = np.where(a.copy >= 0, made, at[a.op] + 1)
-    waits = np.maximum(np.where(a.copy >= 0, first_wait[copy], self.first_read[a.value]), ready)
     awaited = np.nonzero(waits < _NEVER)[0]
     places = np.concatenate([ready, waits[awaited]])
     what = np.concatenate([np.zeros(n, np.int64), np.ones(len(awaited), np.int64)])

@@ -201,7 +201,7 @@ def test_unknown_settings_are_clear_errors():
 def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
   from agents.learned.demonstrations import demonstration_moves
   from environments import TaskDistribution
-  task = Task("resnet:mini", "batch=4,model=2")
+  task = Task("resnet:mini,batch=64", "batch=4,model=2")
   roomy = PartitioningEnv(task)
   roomy.reset()
   assert demonstration_moves(roomy) == []     # no expert beats leaving it unpartitioned

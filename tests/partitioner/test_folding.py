@@ -6,7 +6,7 @@ import pytest
 
 import corpus
 from environments import PartitioningEnv, Task
-from environments.tasks import folded_program, load_program
+from environments.tasks import folded_program, load_program, uncombined
 from partitioner import apply
 from partitioner.cost import Simulator, simulate
 from partitioner.folding import fold
@@ -41,11 +41,12 @@ def test_folded_costs_equal_the_deep_program_costs():
   assert folding.op_weight.sum() == pytest.approx(len(load_program(DEEP).ops))
   assert set(np.unique(folding.op_weight)) == {1.0, 4.0}
   mesh, deep = Mesh.parse(TASK.mesh), load_program(DEEP)
-  simulator = Simulator(folding.program, mesh, "h100", folding=folding)
+  hardware = uncombined("h100")    # combined buckets across layers are estimated: see below
+  simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   schedules = list(corpus.experts("gpt", mesh.names).values()) + _random_schedules(6)
   for schedule in schedules:
     folded = simulator(apply(folding.program, mesh, schedule))
-    exact = simulate(apply(deep, mesh, schedule), "h100")
+    exact = simulate(apply(deep, mesh, schedule), hardware)
     assert folded.compute_s == pytest.approx(exact.compute_s, rel=1e-3), schedule
     assert folded.comm_s == pytest.approx(exact.comm_s, rel=1e-2, abs=1e-12), schedule
     assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=1e-2), schedule
@@ -66,12 +67,29 @@ def test_an_encoder_decoder_folds_on_the_middle_layers_backward():
   deep = "t5:small,layers=6,remat=True"
   folding = fold(load_program(f"{deep},layers=2"), load_program(f"{deep},layers=3"), 6)
   mesh, whole = Mesh.parse(TASK.mesh), load_program(deep)
-  simulator = Simulator(folding.program, mesh, "h100", folding=folding)
+  hardware = uncombined("h100")
+  simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   for schedule in corpus.experts("t5", mesh.names).values():
     folded = simulator(apply(folding.program, mesh, schedule))
-    exact = simulate(apply(whole, mesh, schedule), "h100")
+    exact = simulate(apply(whole, mesh, schedule), hardware)
     assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=1e-3), schedule
     assert folded.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-6), schedule
+
+
+def test_combined_collectives_of_a_folded_layer_fill_buckets_as_the_deep_program_does():
+  """The middle layer's gradients, read by the optimizer after the backward pass, combine
+  across the layers it stands for; what a layer awaits itself combines within the layer."""
+  folding = fold(_shallow(2), _shallow(3), 6)
+  mesh, deep = Mesh.parse(TASK.mesh), load_program(DEEP)
+  simulator = Simulator(folding.program, mesh, "h100", folding=folding)
+  for name, schedule in corpus.experts("gpt", mesh.names).items():
+    folded = simulator(apply(folding.program, mesh, schedule))
+    exact = simulate(apply(deep, mesh, schedule), "h100")
+    launches = lambda cost, weight: sum(weight(c) / c.combined for c in cost.collectives)
+    assert launches(folded, lambda c: folding.op_weight[c.op]) == pytest.approx(
+        launches(exact, lambda c: 1), rel=0.05), name
+    assert folded.comm_s == pytest.approx(exact.comm_s, rel=0.02), name
+    assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=0.01), name
 
 
 def test_programs_that_are_not_a_stack_do_not_fold():

@@ -14,6 +14,7 @@ from jax import lax
 import corpus
 import partitioner as P
 from partitioner import roles as R
+from environments.tasks import uncombined
 from partitioner.cost import simulate
 from partitioner.ir import SCAN_ENTER, SCAN_EXIT
 from partitioner.verify import verify
@@ -77,9 +78,26 @@ def test_kept_loop_verifies_keeps_the_loop_and_costs_like_the_unrolled_twin(deco
   per_step = lambda p: sorted((c.kind, c.axes, c.bytes) for c in p.collectives
                               for _ in range(int(p.program.op_repeat[c.op])))
   assert per_step(pp) == per_step(twin)
-  a, b = simulate(pp, "h100"), simulate(twin, "h100")
+  a, b = simulate(pp, UNCOMBINED), simulate(twin, UNCOMBINED)
   assert a.step_time_s == pytest.approx(b.step_time_s, rel=0.02)
   assert a.comm_s == pytest.approx(b.comm_s, rel=1e-6)
+  _combines_within_iterations(pp, twin)
+
+
+UNCOMBINED = uncombined("h100")
+
+
+def _combines_within_iterations(pp, twin):
+  """XLA combines a loop body's collectives within an iteration, never across iterations: a
+  kept loop launches at least as many as its unrolled twin, where layers' gradients share
+  buckets, and no more than without combining."""
+  a, b = simulate(pp, "h100"), simulate(twin, "h100")
+  launches = lambda cost: sum(d["launches"] for d in cost.decompositions())
+  kept_launches = sum(pp.program.op_repeat[c.op] / c.combined for c in a.collectives)
+  assert launches(b) <= kept_launches + 1e-9
+  assert kept_launches <= sum(pp.program.op_repeat[c.op] for c in a.collectives)
+  assert a.comm_s >= b.comm_s * (1 - 1e-9)
+  assert a.comm_s <= simulate(pp, UNCOMBINED).comm_s * (1 + 1e-9)
 
 
 def test_tactics_see_through_the_body(decoder):
@@ -110,8 +128,9 @@ def test_layer_stack_gpt_verifies_with_the_loop_kept(gpt_stack, strategy):
   pp, twin = (P.apply(p, "batch=2,model=4", schedule) for p in (kept, unrolled))
   result = verify(pp, args)
   assert result.ok, result.errors
-  a, b = simulate(pp, "h100"), simulate(twin, "h100")
+  a, b = simulate(pp, UNCOMBINED), simulate(twin, UNCOMBINED)
   assert a.step_time_s == pytest.approx(b.step_time_s, rel=0.02)
+  _combines_within_iterations(pp, twin)
   # A loop holds its stacked outputs from the first iteration and its stacked inputs to the
   # last, where the unrolled program frees layer by layer (XLA's buffers do the same).
   assert b.memory.peak_bytes * 0.95 <= a.memory.peak_bytes <= b.memory.peak_bytes * 1.10

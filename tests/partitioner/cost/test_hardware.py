@@ -53,6 +53,14 @@ def test_bad_values_and_names():
   from partitioner.cost.hardware import Hardware
   with pytest.raises(HardwareError, match="hbm_bandwidth must be a number"):
     Hardware.from_dict(spec)
+  spec = CATALOG["h100"].to_dict()
+  spec["combine_threshold_bytes"] = -1
+  with pytest.raises(HardwareError, match="combine_threshold_bytes must be positive"):
+    Hardware.from_dict(spec)
+  spec["combine_threshold_bytes"] = 0      # a machine whose collectives never combine
+  assert Hardware.from_dict(spec).combine_threshold_bytes == 0
+  assert CATALOG["h100"].combine_threshold_bytes == 30 << 20
+  assert CATALOG["cpu"].combine_threshold_bytes == 0       # XLA:CPU has no combiner
   with pytest.raises(HardwareError, match="unknown hardware 'h200'; catalog: tpu-v3"):
     load_hardware("h200")
   with pytest.raises(HardwareError, match="no such hardware spec file"):

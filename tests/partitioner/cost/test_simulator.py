@@ -57,6 +57,50 @@ def test_megatron_inside_a_node_beats_megatron_across_nodes():
       "all-reduce(InfiniBand)", "all-reduce tree(InfiniBand)"}
 
 
+def _combining(threshold):
+  import dataclasses
+  return dataclasses.replace(CATALOG["h100"], name=f"h100 combining {threshold}",
+                             combine_threshold_bytes=threshold)
+
+
+def test_independent_gradient_all_reduces_combine_up_to_the_threshold():
+  _, program = traced("mlp:mini")
+  pp = P.apply(program, "batch=8", "BatchParallel(batch)")
+  alone, combined, small = (simulate(pp, _combining(t)) for t in (0, 30 << 20, 20 << 10))
+  grads = combined.collectives
+  assert [c.kind for c in grads] == ["all-reduce"] * 7
+  # Made in the backward pass, read by the update: in the order they are ready, buckets of at
+  # most 30 MiB (16 MiB + 4 KiB + 16 KiB, then 64 MiB alone, ...). The loss is awaited at once.
+  assert [c.combined for c in grads] == [1, 3, 3, 3, 1, 2, 2]
+  bucket = [c for c in grads if c.combined == 3]
+  assert sum(c.bytes for c in bucket) <= 30 << 20
+  whole = collective_time("all-reduce", sum(c.bytes for c in bucket), Group(8, 8, 1),
+                          CATALOG["h100"])
+  assert sum(c.seconds for c in bucket) == pytest.approx(whole.seconds)   # shared by bytes
+  assert combined.comm_s < alone.comm_s and combined.step_time_s < alone.step_time_s
+  assert sum(d["launches"] for d in combined.decompositions()) == pytest.approx(4)
+  # Under 20 KiB the two small gradients would fit one bucket, but a 16 MiB one between them
+  # closes it (buckets are filled in order): nothing combines.
+  assert [c.combined for c in small.collectives] == [1] * 7
+  assert small.comm_s == pytest.approx(alone.comm_s)
+
+
+def test_a_collective_awaited_before_the_next_is_ready_does_not_combine():
+  def forward(x, ws):
+    for w in ws:
+      x = jnp.tanh(x @ w)
+    return x
+  program = P.trace(forward, jax.ShapeDtypeStruct((64, 256), jnp.float32),
+                    [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 6)
+  # Each weight split on its contracted dimension: every layer ends in a reduction of a
+  # partial sum that the next layer reads before the next one is made.
+  pp = P.apply(program, "model=8", "; ".join(f"Tile(ws/{i}, 0, model)" for i in range(6)))
+  combined, alone = simulate(pp, "h100"), simulate(pp, _combining(0))
+  assert len(combined.collectives) >= 6
+  assert all(c.combined == 1 for c in combined.collectives)
+  assert combined.step_time_s == pytest.approx(alone.step_time_s)
+
+
 def test_local_flops_divide_by_the_sharding_and_elementwise_chains_fuse():
   f = lambda x, w: jnp.tanh(jnp.exp(x @ w) * 2.0)
   program = P.trace(f, jax.ShapeDtypeStruct((64, 256), jnp.float32),
