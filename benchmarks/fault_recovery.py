@@ -56,10 +56,18 @@ def _role_pid(run_dir: str, role: str) -> int | None:
 
 
 def _train(run_dir: str, steps: int, resume: bool) -> subprocess.Popen:
+  """The launcher, its output appended to RUN/launcher.log."""
   argv = [sys.executable, "-m", "launch.cli", "train", "--run-dir", run_dir,
           "--steps", str(steps), *DEMO] + (["--resume"] if resume else [])
-  return subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "launcher.log"), "a") as log:
+    return subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _tail(run_dir: str) -> str:
+  with open(os.path.join(run_dir, "launcher.log"), errors="replace") as f:
+    return f.read()[-2000:]
 
 
 def _checkpoint_steps(run_dir: str) -> int:
@@ -75,7 +83,7 @@ def run_with_faults(run_dir: str, steps: int) -> list[dict]:
     at = int(share * steps)
     while not _learner_steps(run_dir) or _learner_steps(run_dir)[-1] < at:
       if proc.poll() is not None:
-        raise RuntimeError(f"the run stopped before update {at}: {proc.stderr.read()[-2000:]}")
+        raise RuntimeError(f"the run stopped before update {at}: {_tail(run_dir)}")
       time.sleep(0.5)
     pid = _role_pid(run_dir, role)
     logged = _learner_steps(run_dir)[-1]
@@ -98,7 +106,7 @@ def run_with_faults(run_dir: str, steps: int) -> list[dict]:
     records.append(record)
   proc.wait()
   if proc.returncode != 0:
-    raise RuntimeError(f"the last part of the run failed: {proc.stderr.read()[-2000:]}")
+    raise RuntimeError(f"the last part of the run failed: {_tail(run_dir)}")
   return records
 
 
@@ -143,7 +151,7 @@ def main(argv=None) -> int:
   proc = _train(clean, args.steps, resume=False)
   proc.wait()
   if proc.returncode != 0:
-    raise RuntimeError(f"the uninterrupted run failed: {proc.stderr.read()[-2000:]}")
+    raise RuntimeError(f"the uninterrupted run failed: {_tail(clean)}")
   clean_s = time.time() - start
   print(f"uninterrupted run: {clean_s:.0f} s", flush=True)
   start = time.time()

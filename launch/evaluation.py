@@ -62,10 +62,22 @@ def parse_agent(text: str) -> AgentSpec:
   return AgentSpec(kind, run, number)
 
 
+def _cost_model_version() -> int:
+  from partitioner.cost import COST_MODEL_VERSION
+  return COST_MODEL_VERSION
+
+
+def costed_now(version: str) -> bool:
+  """Whether a stored result's version (`mcts-v1-c2`, `policy-v2-c2-<digest>`) is of the
+  current cost model."""
+  parts = version.split("-")
+  return len(parts) > 2 and parts[2] == f"c{_cost_model_version()}"
+
+
 def agent_version(spec: AgentSpec) -> str:
-  """The agent's version; for a policy also a digest of its checkpoint, so that a retrained
-  policy is evaluated again."""
-  version = f"{spec.kind}-v{AGENT_VERSIONS[spec.kind]}"
+  """The agent's version and the cost model's; for a policy also a digest of its checkpoint,
+  so that a retrained policy is evaluated again."""
+  version = f"{spec.kind}-v{AGENT_VERSIONS[spec.kind]}-c{_cost_model_version()}"
   if spec.run is None:
     return version
   from learners.checkpointing import CheckpointError, path_of
@@ -292,7 +304,7 @@ class ResultsStore:
     all where nothing fits)."""
     best: dict[str, tuple[bool, float]] = {}
     for r in self.rows:
-      if "error" in r:
+      if "error" in r or not costed_now(r["version"]):   # costed by another model
         continue
       cand = (not r["fits"], r["step_time_s"])
       if r["task"] not in best or cand < best[r["task"]]:

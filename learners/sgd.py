@@ -11,6 +11,8 @@ read the average, whose greedy choices do not flip with the noise of single upda
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -26,6 +28,19 @@ from learners.checkpointing import CheckpointError
 
 # loss_fn(params, batch) -> (loss, metrics dict)
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+  """SIGTERM and SIGINT wait until the block ends (a stop raised as KeyboardInterrupt halfway
+  through would leave an update applied but not counted or logged, and a resumed run one
+  update off in its logs)."""
+  deferred = {signal.SIGTERM, signal.SIGINT}
+  previous = signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class TrainingState(NamedTuple):
@@ -93,11 +108,13 @@ class SGDLearner(Learner):
     extra = {}
     if self._on_batch:
       batch, extra = self._on_batch(batch, self.version)
-    self._state, metrics = self._update(self._state, batch)
+    state, metrics = self._update(self._state, batch)
     metrics = {k: float(v) for k, v in metrics.items()}
-    counts = self._counter.increment(steps=1, walltime=time.time() - start)
-    self.last_metrics = {**metrics, **extra, **counts}
-    self._logger.write(self.last_metrics)
+    with _signals_deferred():   # the update, its count and its log row: all or none
+      self._state = state
+      counts = self._counter.increment(steps=1, walltime=time.time() - start)
+      self.last_metrics = {**metrics, **extra, **counts}
+      self._logger.write(self.last_metrics)
     return self.last_metrics
 
   def loss(self, batch) -> float:

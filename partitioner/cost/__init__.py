@@ -1,5 +1,9 @@
 """The cost model: a hierarchy-aware simulator of step time and memory per device."""
 
+# Bumped when predictions change (2: collectives combine), so that stored evaluations made
+# with another model are redone rather than compared with these.
+COST_MODEL_VERSION = 2
+
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware
 from partitioner.cost.memory import MemoryReport

@@ -56,6 +56,14 @@ def test_parallel_jobs_ratios_and_resume(capsys, suite, tmp_path):
   assert code == 0 and len(more["results"]) == 4
   with open(store) as f:
     assert len(f.readlines()) == 2 * 4 + 2
+  # A result costed by an earlier cost model is neither reused nor the best known.
+  from partitioner.cost import COST_MODEL_VERSION
+  old = dict(stored[0], version=stored[0]["version"].replace(f"-c{COST_MODEL_VERSION}", "-c1"),
+             step_time_s=stored[0]["step_time_s"] / 10)
+  with open(store, "a") as f:
+    f.write(json.dumps(old) + "\n")
+  code, again, _ = _evaluate(capsys, "--suite", suite, "--store", store)
+  assert code == 0 and again["results"] == rows
 
 
 def test_tables_csv_plots_and_markdown(capsys, tmp_path):
