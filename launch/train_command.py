@@ -278,13 +278,13 @@ def launch(config, args) -> int:
       while True:
         bar.refresh()
         code = learner.popen.poll()
-        if code is not None:
-          if code != 0:
-            failed = learner
+        if code == 0:
           break
-        dead = [p for p in procs if p.popen.poll() is not None]
+        # A dead Reverb server is named first: the learner and actors fail because of it.
+        dead = sorted((p for p in procs if p.popen.poll() is not None),
+                      key=lambda p: (p.name != "replay", p.name != "learner"))
         for p in dead:
-          if p.name == "replay" or p.restarts >= args.max_restarts:
+          if p.name in ("replay", "learner") or p.restarts >= args.max_restarts:
             failed = p
             break
           print(f"shardzero train: the {p.name} process {p.cause()}; starting it again "

@@ -222,10 +222,28 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
         save()
   except KeyboardInterrupt:
     pass
+  except Exception as e:
+    try:
+      alive = _answers(client)
+    except KeyboardInterrupt:     # stopped meanwhile
+      alive = False
+    if alive:
+      raise
+    raise ShardzeroError(f"learner: the Reverb server at {address} stopped answering "
+                         f"({type(e).__name__}); the checkpoint keeps update "
+                         f"{learner.version}: continue with --resume") from None
   finally:
     save()
     logger.close()
   return learner.version
+
+
+def _answers(client) -> bool:
+  try:
+    client.server_info(timeout=2)
+    return True
+  except Exception:
+    return False
 
 
 def _forget_lost_updates(run_dir: str, version: int) -> None:
