@@ -154,6 +154,9 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
     _gpu("h100", "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 (494 TF32, which f32 matmuls get at "
          "JAX's default precision), 3.35 TB/s, 8 per node with NVLink 4, 400 Gb/s InfiniBand "
          "per GPU", 989e12, 494e12, 80, 3350e9, 450e9, 50e9),
+    _gpu("h200", "NVIDIA H200 SXM 141 GB: the H100's compute (989 TFLOP/s bf16, 494 TF32) with "
+         "141 GB of HBM3e at 4.8 TB/s, 8 per node with NVLink 4, 400 Gb/s InfiniBand per GPU",
+         989e12, 494e12, 131, 4800e9, 450e9, 50e9),
     Hardware("cpu", "host CPU devices (--xla_force_host_platform_device_count): a rough "
              "per-device share of a small machine, for checking orderings locally",
              {"float32": 20e9, "bfloat16": 5e9}, 8 * GiB, 10e9, 64,

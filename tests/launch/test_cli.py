@@ -140,7 +140,7 @@ def test_hardware_lists_the_catalog_and_shows_a_spec(capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--hardware", "h200"], "unknown hardware 'h200'"),
+    (["--hardware", "h900"], "unknown hardware 'h900'"),
     (["--hardware", "tests/launch/user_model.py"], "unknown hardware"),
     (["--order", "batch,nothing"], "must name each mesh axis"),
 ])

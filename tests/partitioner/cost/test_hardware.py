@@ -14,6 +14,9 @@ def test_catalog_has_the_issue_s_hardware():
   assert h100.flops("bfloat16") == 989e12 and h100.node_size == 8
   assert load_hardware("a100") is CATALOG["a100-80gb"]
   assert h100.intra.bandwidth > 5 * h100.inter.bandwidth
+  h200 = CATALOG["h200"]     # the H100's compute with more and faster HBM
+  assert h200.peak_flops == h100.peak_flops and h200.hbm_bandwidth > 1.4 * h100.hbm_bandwidth
+  assert h200.hbm_bytes > 1.6 * h100.hbm_bytes
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".json"])
@@ -61,8 +64,8 @@ def test_bad_values_and_names():
   assert Hardware.from_dict(spec).combine_threshold_bytes == 0
   assert CATALOG["h100"].combine_threshold_bytes == 30 << 20
   assert CATALOG["cpu"].combine_threshold_bytes == 0       # XLA:CPU has no combiner
-  with pytest.raises(HardwareError, match="unknown hardware 'h200'; catalog: tpu-v3"):
-    load_hardware("h200")
+  with pytest.raises(HardwareError, match="unknown hardware 'h900'; catalog: tpu-v3"):
+    load_hardware("h900")
   with pytest.raises(HardwareError, match="no such hardware spec file"):
     load_hardware("missing.yaml")
 
