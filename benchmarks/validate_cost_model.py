@@ -126,12 +126,13 @@ def ratio(a, b):
 
 def combining() -> list[dict]:
   """Each COMBINED case simulated on H100s with the combiner and without it."""
-  from environments.tasks import load_program, uncombined
+  from environments.tasks import load_program
+  from partitioner.cost import CATALOG
   rows = []
   for model, mesh, name, schedule in COMBINED:
     pp = P.apply(load_program(model), mesh, schedule)
     row = {"model": model, "mesh": mesh, "strategy": name}
-    for label, hardware in (("separate", uncombined("h100")), ("combined", "h100")):
+    for label, hardware in (("separate", CATALOG["h100"].combining(0)), ("combined", "h100")):
       cost = simulate(pp, hardware)
       row[label] = {"step_s": cost.step_time_s, "comm_s": cost.comm_s,
                     "exposed_s": cost.exposed_comm_s, "collectives": len(cost.collectives),

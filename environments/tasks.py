@@ -66,13 +66,6 @@ def load_program(model: str):
 FOLD_TOLERANCE = 0.01   # largest relative error of a folded step time or peak memory
 
 
-def uncombined(hardware: str):
-  """The hardware without its collective combiner."""
-  from partitioner.cost import load_hardware
-  spec = load_hardware(hardware)
-  return dataclasses.replace(spec, name=f"{spec.name} (uncombined)", combine_threshold_bytes=0)
-
-
 @functools.lru_cache(maxsize=32)
 def folded_program(task: Task):
   """A `partitioner.folding.Folding` for a task whose corpus model is deeper than three
@@ -86,7 +79,7 @@ def folded_program(task: Task):
     return None
   from environments.actions import action_space, decision_points
   from partitioner import apply
-  from partitioner.cost import Simulator, simulate
+  from partitioner.cost import Simulator, load_hardware, simulate
   from partitioner.folding import fold
   from partitioner.mesh import Mesh
   folding = fold(load_program(f"{family}:{rest},layers=2"),
@@ -104,7 +97,7 @@ def folded_program(task: Task):
   # The check is of the folding, so collectives are not combined here: buckets that cross
   # layers are only estimated on a folded program (within about 2% of the deep program's step
   # time on the GPT, T5 and SSM experts at 64 to 1024 devices).
-  hardware = uncombined(task.hardware)
+  hardware = load_hardware(task.hardware).combining(0)
   simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   for schedule in schedules:
     try:

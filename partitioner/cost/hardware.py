@@ -70,6 +70,12 @@ class Hardware:
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
+  def combining(self, threshold_bytes: int) -> "Hardware":
+    """This hardware with another combiner threshold (0: collectives never combine), under a
+    name of its own (specs are cached by name)."""
+    return dataclasses.replace(self, name=f"{self.name} (combining {threshold_bytes} B)",
+                               combine_threshold_bytes=threshold_bytes)
+
   @classmethod
   def from_dict(cls, data: Mapping, source: str = "spec") -> "Hardware":
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -6,9 +6,9 @@ import pytest
 
 import corpus
 from environments import PartitioningEnv, Task
-from environments.tasks import folded_program, load_program, uncombined
+from environments.tasks import folded_program, load_program
 from partitioner import apply
-from partitioner.cost import Simulator, simulate
+from partitioner.cost import CATALOG, Simulator, simulate
 from partitioner.folding import fold
 from partitioner.mesh import Mesh
 
@@ -41,7 +41,7 @@ def test_folded_costs_equal_the_deep_program_costs():
   assert folding.op_weight.sum() == pytest.approx(len(load_program(DEEP).ops))
   assert set(np.unique(folding.op_weight)) == {1.0, 4.0}
   mesh, deep = Mesh.parse(TASK.mesh), load_program(DEEP)
-  hardware = uncombined("h100")    # combined buckets across layers are estimated: see below
+  hardware = CATALOG["h100"].combining(0)    # combined buckets across layers are estimated: see below
   simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   schedules = list(corpus.experts("gpt", mesh.names).values()) + _random_schedules(6)
   for schedule in schedules:
@@ -67,7 +67,7 @@ def test_an_encoder_decoder_folds_on_the_middle_layers_backward():
   deep = "t5:small,layers=6,remat=True"
   folding = fold(load_program(f"{deep},layers=2"), load_program(f"{deep},layers=3"), 6)
   mesh, whole = Mesh.parse(TASK.mesh), load_program(deep)
-  hardware = uncombined("h100")
+  hardware = CATALOG["h100"].combining(0)
   simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   for schedule in corpus.experts("t5", mesh.names).values():
     folded = simulator(apply(folding.program, mesh, schedule))

@@ -14,8 +14,7 @@ from jax import lax
 import corpus
 import partitioner as P
 from partitioner import roles as R
-from environments.tasks import uncombined
-from partitioner.cost import simulate
+from partitioner.cost import CATALOG, simulate
 from partitioner.ir import SCAN_ENTER, SCAN_EXIT
 from partitioner.verify import verify
 from tests.partitioner import user_models
@@ -84,7 +83,7 @@ def test_kept_loop_verifies_keeps_the_loop_and_costs_like_the_unrolled_twin(deco
   _combines_within_iterations(pp, twin)
 
 
-UNCOMBINED = uncombined("h100")
+UNCOMBINED = CATALOG["h100"].combining(0)
 
 
 def _combines_within_iterations(pp, twin):

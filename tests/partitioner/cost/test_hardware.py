@@ -64,6 +64,9 @@ def test_bad_values_and_names():
   assert Hardware.from_dict(spec).combine_threshold_bytes == 0
   assert CATALOG["h100"].combine_threshold_bytes == 30 << 20
   assert CATALOG["cpu"].combine_threshold_bytes == 0       # XLA:CPU has no combiner
+  separate = CATALOG["h100"].combining(0)
+  assert separate.combine_threshold_bytes == 0 and separate.name != "h100"
+  assert separate.peak_flops == CATALOG["h100"].peak_flops
   with pytest.raises(HardwareError, match="unknown hardware 'h900'; catalog: tpu-v3"):
     load_hardware("h900")
   with pytest.raises(HardwareError, match="no such hardware spec file"):

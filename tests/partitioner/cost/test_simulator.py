@@ -57,16 +57,11 @@ def test_megatron_inside_a_node_beats_megatron_across_nodes():
       "all-reduce(InfiniBand)", "all-reduce tree(InfiniBand)"}
 
 
-def _combining(threshold):
-  import dataclasses
-  return dataclasses.replace(CATALOG["h100"], name=f"h100 combining {threshold}",
-                             combine_threshold_bytes=threshold)
-
-
 def test_independent_gradient_all_reduces_combine_up_to_the_threshold():
   _, program = traced("mlp:mini")
   pp = P.apply(program, "batch=8", "BatchParallel(batch)")
-  alone, combined, small = (simulate(pp, _combining(t)) for t in (0, 30 << 20, 20 << 10))
+  h100 = CATALOG["h100"]
+  alone, combined, small = (simulate(pp, h100.combining(t)) for t in (0, 30 << 20, 20 << 10))
   grads = combined.collectives
   assert [c.kind for c in grads] == ["all-reduce"] * 7
   # Made in the backward pass, read by the update: in the order they are ready, buckets of at
@@ -95,7 +90,7 @@ def test_a_collective_awaited_before_the_next_is_ready_does_not_combine():
   # Each weight split on its contracted dimension: every layer ends in a reduction of a
   # partial sum that the next layer reads before the next one is made.
   pp = P.apply(program, "model=8", "; ".join(f"Tile(ws/{i}, 0, model)" for i in range(6)))
-  combined, alone = simulate(pp, "h100"), simulate(pp, _combining(0))
+  combined, alone = simulate(pp, "h100"), simulate(pp, CATALOG["h100"].combining(0))
   assert len(combined.collectives) >= 6
   assert all(c.combined == 1 for c in combined.collectives)
   assert combined.step_time_s == pytest.approx(alone.step_time_s)
