@@ -64,6 +64,12 @@ def add_parser(sub) -> None:
   p.add_argument("--store", default="runs/evaluate/results.jsonl",
                  help="the results store (JSON lines); default runs/evaluate/results.jsonl")
   p.add_argument("--jobs", type=int, default=1, help="worker processes; default 1")
+  p.add_argument("--launcher", choices=("local", "ray"), default="local",
+                 help="where tasks run: processes on this machine (default) or Ray tasks on "
+                 "a Ray cluster, one CPU each (pip install -e '.[ray]')")
+  p.add_argument("--address", metavar="HOST:PORT|auto", help="--launcher ray: the cluster to "
+                 "join (auto: the one this node belongs to; default: Ray on this machine with "
+                 "--jobs CPUs). policy:RUN directories must be paths every node sees")
   p.add_argument("--max-steps", type=int, default=24, help="actions per episode; default 24")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json", metavar="PATH", help="write tasks, results and summary as JSON "
@@ -120,6 +126,8 @@ def run(args) -> int:
   from partitioner.errors import ShardzeroError
   if args.jobs < 1 or args.max_steps < 1:
     raise ShardzeroError("--jobs and --max-steps must be positive")
+  if args.address and args.launcher != "ray":
+    raise ShardzeroError("--address is a setting of --launcher ray")
   suite, tasks = _tasks(args)
   agents = [a.strip() for a in args.agents.split(",")] if args.agents else list(suite.agents)
   specs = [ev.parse_agent(a) for a in agents]
@@ -141,7 +149,7 @@ def run(args) -> int:
     if missing:
       units.append(ev.Unit(task, missing, args.max_steps, args.seed))
   quiet = args.json == "-"
-  _run_units(units, store, args.jobs, quiet)
+  _run_units(units, store, args.jobs, quiet, args.launcher, args.address)
   rows = ev.with_ratios(store.latest(wanted), store.best_known())
   summary = ev.summarize(rows)
   splits = {ev.split_of(r["model"]) for r in rows}
@@ -164,8 +172,10 @@ def run(args) -> int:
   return 1 if errors else 0
 
 
-def _run_units(units, store, jobs: int, quiet: bool) -> None:
-  """Evaluates the units, in `jobs` processes, storing each unit's rows as they arrive."""
+def _run_units(units, store, jobs: int, quiet: bool, launcher: str = "local",
+               address: str | None = None) -> None:
+  """Evaluates the units, in `jobs` processes or as Ray tasks, storing each unit's rows as
+  they arrive."""
   from launch.evaluation import run_unit
   from launch.progress import Ticker
   if not units:
@@ -182,9 +192,14 @@ def _run_units(units, store, jobs: int, quiet: bool) -> None:
       ticker.update(done, f"last: {unit.task.model} on {unit.task.mesh}")
 
   if ticker:
-    ticker.update(0, f"{len(units)} tasks, {jobs} job(s)")
+    ticker.update(0, f"{len(units)} tasks, " + (
+        f"{jobs} job(s)" if launcher == "local" else f"Ray at {address or 'this machine'}"))
 
   with ticker or contextlib.nullcontext():
+    if launcher == "ray":
+      from launch import ray_run
+      ray_run.run_units(run_unit, units, finished, address, jobs)
+      return
     if jobs == 1:
       for unit in units:
         finished(unit, run_unit(unit))

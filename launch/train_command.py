@@ -7,11 +7,8 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 
 HELP = "train a partitioning policy with distributed actors and a learner over Reverb"
 
@@ -55,6 +52,18 @@ Across machines: start '--role replay --port P' on one machine, then on any mach
 '--role learner|actor|evaluator --reverb HOST:P --run-dir DIR' (actors take --actor-id). The
 learner and the evaluator need the run directory; actors only write their CSV log there.
 
+Ray: '--launcher ray' runs the same roles as Ray actors on a Ray cluster (pip install -c
+constraints.txt -e '.[ray]' on every node): '--address auto' on a node of a running cluster
+(or HOST:PORT of its head; without --address, Ray starts on this machine). Ray places the
+learner on a node with --learner-resources (e.g. GPU=1), actors and the evaluator with
+--actor-cpus each. RUN_DIR must be a path that this machine and every node see (a shared
+file system: NFS, a cluster volume): the roles write config, checkpoint and logs there. An
+actor, the evaluator or the learner whose process dies, or whose Ray worker or node is lost,
+is started again where Ray finds room (the learner with --resume from its checkpoint, at
+most --checkpoint-every updates lost); a lost Reverb server takes replay with it: every role
+starts again on a new server, the learner from its checkpoint, and the actors refill replay.
+Each at most --max-restarts times. Ctrl-C stops every role on every node.
+
 Network: the Reverb server listens on every interface of its machine, with no authentication
 (dm-reverb 0.14 binds [::]:PORT and has no option to bind the loopback address only). Whoever
 can reach that port can read the policy's parameters and insert trajectories. The local
@@ -68,6 +77,8 @@ examples:
   shardzero train --run-dir runs/ppo --actors 2 --steps 200
   shardzero train --run-dir runs/az --algorithm alphazero --set simulations=8 --steps 100
   shardzero train --run-dir runs/ppo --resume --steps 400
+  shardzero train --run-dir /shared/runs/az --algorithm alphazero --launcher ray \
+      --address auto --actors 16 --learner-resources GPU=1
   shardzero plot runs/ppo
 """
 
@@ -103,7 +114,19 @@ def add_parser(sub) -> None:
   p.add_argument("--actor-id", type=int, default=0)
   p.add_argument("--no-evaluator", action="store_true", help="do not start the evaluator")
   p.add_argument("--max-restarts", type=int, default=3, help="times an actor or the evaluator "
-                 "that dies is started again before the run stops (default 3)")
+                 "(over Ray: also the learner) that dies is started again before the run "
+                 "stops (default 3)")
+  p.add_argument("--launcher", choices=("local", "ray"), default="local",
+                 help="where the launcher starts the roles: processes on this machine "
+                 "(default) or Ray actors on a Ray cluster (see Ray below)")
+  p.add_argument("--address", metavar="HOST:PORT|auto", help="--launcher ray: the Ray "
+                 "cluster to join (auto: the one this node belongs to; default: start Ray on "
+                 "this machine)")
+  p.add_argument("--learner-resources", metavar="NAME=AMOUNT,...", help="--launcher ray: "
+                 "what the learner needs, e.g. GPU=1 or CPU=4,GPU=1 (Ray places it on a node "
+                 "that has it); default CPU=1")
+  p.add_argument("--actor-cpus", type=float, default=1.0, help="--launcher ray: CPUs each "
+                 "actor and the evaluator ask for (default 1)")
   p.set_defaults(run=run)
 
 
@@ -159,10 +182,21 @@ def make_config(args):
 def run(args) -> int:
   from launch.training import (RunConfig, run_actor, run_evaluator, run_learner, run_replay)
   from partitioner.errors import ShardzeroError
+  if args.launcher == "ray" and args.role != "launcher":
+    raise ShardzeroError("--launcher ray starts every role itself: leave out --role")
+  if args.launcher != "ray" and (args.address or args.learner_resources):
+    raise ShardzeroError("--address and --learner-resources are settings of --launcher ray")
   if args.role == "launcher":
-    if args.max_restarts < 0:
-      raise ShardzeroError("--max-restarts must not be negative")
+    if args.max_restarts < 0 or args.actor_cpus < 0:
+      raise ShardzeroError("--max-restarts and --actor-cpus must not be negative")
+    if args.launcher == "ray":
+      from launch import ray_run
+      if args.reverb:
+        raise ShardzeroError("--launcher ray starts its own Reverb server: leave out --reverb")
+      ray_run.parse_resources(args.learner_resources)    # fails before anything starts
     config = make_config(args)
+    if args.launcher == "ray":
+      return ray_run.launch(config, args)     # saves the config once Ray can place the run
     config.save(args.run_dir)
     return launch(config, args)
   config = RunConfig.load(args.run_dir) if args.role != "replay" or os.path.exists(
@@ -196,64 +230,18 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-class _Process:
-  def __init__(self, name: str, argv: list[str], log_path: str):
-    self.name = name
-    self.log_path = log_path
-    self.restarts = 0
-    self._argv = argv
-    self._log = open(log_path, "a")
-    self.popen = self._start()
-
-  def _start(self) -> subprocess.Popen:
-    return subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-  def restart(self) -> None:
-    self.restarts += 1
-    self._log.write(f"--- started again by the launcher (restart {self.restarts}) ---\n")
-    self._log.flush()
-    self.popen = self._start()
-
-  def cause(self) -> str:
-    code = self.popen.returncode
-    if code is not None and code < 0:
-      return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-  def tail(self, lines: int = 15) -> str:
-    with open(self.log_path, errors="replace") as f:
-      return "".join(f.readlines()[-lines:])
-
-  def stop(self, sig=signal.SIGTERM):
-    if self.popen.poll() is None:
-      self.popen.send_signal(sig)
-
-
-def _stop(procs: list[_Process], timeout_s: float = 20.0) -> None:
-  """SIGTERM to each, then SIGKILL to those still running after `timeout_s`."""
-  for p in procs:
-    p.stop()
-  deadline = time.time() + timeout_s
-  for p in procs:
-    try:
-      p.popen.wait(timeout=max(0.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-      p.stop(signal.SIGKILL)
-      p.popen.wait()
-
-
 def launch(config, args) -> int:
-  """Starts every role as a process, shows progress, stops all on Ctrl-C or SIGTERM, when the
-  learner is done, or when any process dies."""
+  """Starts every role as a process on this machine, shows progress, stops all on Ctrl-C or
+  SIGTERM, when the learner is done, or when the learner or the Reverb server dies."""
   from launch import progress
+  from launch.processes import RoleProcess, stop_in_order, supervise, terminate_all, train_argv
   from launch.training import stop_on_sigterm
   stop_on_sigterm()      # `kill`, a scheduler's preemption: stop every role as Ctrl-C does
   run_dir = args.run_dir
   logs = os.path.join(run_dir, "logs")
   os.makedirs(logs, exist_ok=True)
-  base = [sys.executable, "-m", "launch.cli", "train", "--run-dir", run_dir]
-  procs: list[_Process] = []
+  base = ["--run-dir", run_dir]
+  procs: list[RoleProcess] = []
   failed = None
   interrupted = False
   try:
@@ -262,47 +250,34 @@ def launch(config, args) -> int:
       port = _free_port()
       address = f"localhost:{port}"
       print(exposure_warning(port), flush=True)
-      procs.append(_Process("replay", base + ["--role", "replay", "--port", str(port)],
-                            os.path.join(logs, "replay.log")))
-    learner = _Process("learner", base + ["--role", "learner", "--reverb", address] +
-                       (["--resume"] if args.resume else []), os.path.join(logs, "learner.log"))
+      procs.append(RoleProcess("replay", train_argv(base + ["--role", "replay", "--port",
+                                                            str(port)]),
+                               os.path.join(logs, "replay.log")))
+    learner = RoleProcess("learner", train_argv(base + ["--role", "learner", "--reverb", address]
+                                                + (["--resume"] if args.resume else [])),
+                          os.path.join(logs, "learner.log"))
     procs.append(learner)
     for i in range(config.actors):
-      procs.append(_Process(f"actor {i}", base + ["--role", "actor", "--reverb", address,
-                                                  "--actor-id", str(i)],
-                            os.path.join(logs, f"actor_{i}.log")))
+      procs.append(RoleProcess(f"actor {i}", train_argv(base + [
+          "--role", "actor", "--reverb", address, "--actor-id", str(i)]),
+          os.path.join(logs, f"actor_{i}.log")))
     if not args.no_evaluator:
-      procs.append(_Process("evaluator", base + ["--role", "evaluator", "--reverb", address],
-                            os.path.join(logs, "evaluator.log")))
+      procs.append(RoleProcess("evaluator", train_argv(base + ["--role", "evaluator", "--reverb",
+                                                               address]),
+                               os.path.join(logs, "evaluator.log")))
     with progress.TrainingProgress(run_dir, config) as bar:
-      while True:
-        bar.refresh()
-        code = learner.popen.poll()
-        if code == 0:
-          break
-        # A dead Reverb server is named first: the learner and actors fail because of it.
-        dead = sorted((p for p in procs if p.popen.poll() is not None),
-                      key=lambda p: (p.name != "replay", p.name != "learner"))
-        for p in dead:
-          if p.name in ("replay", "learner") or p.restarts >= args.max_restarts:
-            failed = p
-            break
-          print(f"shardzero train: the {p.name} process {p.cause()}; starting it again "
-                f"({p.restarts + 1} of {args.max_restarts}). Last lines of {p.log_path}:\n"
-                f"{p.tail(5)}", file=sys.stderr, flush=True)
-          p.restart()
-        if failed is not None:
-          break
-        time.sleep(1.0)
+      failed = supervise(procs, learner, args.max_restarts,
+                         restartable=lambda p: p.name not in ("replay", "learner"),
+                         refresh=bar.refresh)
   except KeyboardInterrupt:
     interrupted = True
   finally:
-    # The learner first, while actors still feed it (it checkpoints on SIGTERM once its sample
-    # returns); then the Reverb server, whose end fails the calls that actors waiting for the
-    # learner are blocked in; then actors and evaluator together.
-    _stop([p for p in procs if p.name == "learner"])
-    _stop([p for p in procs if p.name == "replay"])
-    _stop([p for p in procs if p.name not in ("learner", "replay")])
+    stop_in_order(procs, terminate_all)
+  return finish(run_dir, failed, interrupted)
+
+
+def finish(run_dir: str, failed, interrupted: bool) -> int:
+  """The launcher's last words and exit code: 0 done, 1 a role failed, 130 stopped."""
   if failed is not None:
     print(f"shardzero train: the {failed.name} process {failed.cause()}; stopped the others. "
           f"Last lines of {failed.log_path}:\n{failed.tail()}\n"

@@ -65,6 +65,15 @@ CASES = [  # (argv with {tmp}, what the one line says)
     (["search", "mlp:small", "--mesh", "batch=8", "--memory-budget", "lots"], "lots"),
     (["evaluate", "--models", "mlp:small", "--meshes", "batch=8", "--agents", "alphago"],
      "unknown agent 'alphago'"),
+    (["train", "--run-dir", "{tmp}/r5", "--launcher", "ray", "--role", "actor"],
+     "leave out --role"),
+    (["train", "--run-dir", "{tmp}/r6", "--address", "auto"], "settings of --launcher ray"),
+    (["train", "--run-dir", "{tmp}/r7", "--launcher", "ray", "--learner-resources", "GPU"],
+     "NAME=AMOUNT"),
+    (["train", "--run-dir", "{tmp}/r8", "--launcher", "ray", "--address", "127.0.0.1:1"],
+     "no Ray cluster answers at 127.0.0.1:1"),
+    (["evaluate", "--models", "mlp:small", "--meshes", "batch=8", "--address", "auto"],
+     "--address is a setting of --launcher ray"),
 ]
 
 
