@@ -34,13 +34,24 @@ LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
 def _signals_deferred():
   """SIGTERM and SIGINT wait until the block ends (a stop raised as KeyboardInterrupt halfway
   through would leave an update applied but not counted or logged, and a resumed run one
-  update off in its logs)."""
-  deferred = {signal.SIGTERM, signal.SIGINT}
-  previous = signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+  update off in its logs). Python runs signal handlers in the main thread whichever thread
+  the signal reached, so the block holds them with handlers of its own (a thread's signal
+  mask would not: the signal goes to another thread of the process) and raises them again
+  after it."""
+  held: list[int] = []
+  try:
+    previous = {s: signal.signal(s, lambda signum, frame: held.append(signum))
+                for s in (signal.SIGTERM, signal.SIGINT)}
+  except ValueError:            # not the main thread: it gets no signals to defer
+    yield
+    return
   try:
     yield
   finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    for s, handler in previous.items():   # None: a handler installed outside Python
+      signal.signal(s, signal.SIG_DFL if handler is None else handler)
+    for s in dict.fromkeys(held):
+      signal.raise_signal(s)
 
 
 class TrainingState(NamedTuple):

@@ -90,7 +90,10 @@ def fold(two: Program, three: Program, depth: int) -> Folding | None:
   last = np.searchsorted(block, block, side="right") - 1
   made_in = np.full((len(three.values), 2), -1, np.int64)
   dropped_in = np.full((len(three.values), 2), -1, np.int64)
-  for v, readers in enumerate(three.users):
+  from partitioner.cost.memory import bufferless, readers_with_views
+  # A value read through a view or a fused conversion is read where those are (it is what
+  # the deep program stores).
+  for v, readers in enumerate(readers_with_views(three, bufferless(three))):
     producer = three.values[v].producer
     if not readers:
       stands = v in outputs and producer is not None and middle[producer]

@@ -345,9 +345,11 @@ class JittedProgram:
     return getattr(self.wrapped, name)
 
 
-def jit_partitioned(pp, jax_mesh=None) -> JittedProgram:
+def jit_partitioned(pp, jax_mesh=None, donate: bool = False) -> JittedProgram:
   """`jax.jit` of the program with the partitioner's shardings on inputs, outputs and
-  intermediates."""
+  intermediates; with `donate`, the state the step updates (parameters, optimizer state) is
+  donated, so its new values are written over the old ones as a training loop runs them."""
   s = to_jax_shardings(pp, jax_mesh)
+  donated = tuple(sorted(set(pp.program.aliases.values()))) if donate else ()
   return JittedProgram(pp.program, jax.jit(s.constrained_flat, in_shardings=s.flat_in,
-                                           out_shardings=s.flat_out))
+                                           out_shardings=s.flat_out, donate_argnums=donated))

@@ -104,9 +104,9 @@ class PartitionedProgram:
     from partitioner.lowering import lower_spmd
     return lower_spmd(self, jax_mesh)
 
-  def jit(self, jax_mesh=None):
+  def jit(self, jax_mesh=None, donate: bool = False):
     from partitioner.lowering import jit_partitioned
-    return jit_partitioned(self, jax_mesh)
+    return jit_partitioned(self, jax_mesh, donate)
 
   def summary(self) -> dict:
     """A JSON-ready description: strategy, shardings, collectives, fallbacks, conflicts."""
