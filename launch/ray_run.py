@@ -185,7 +185,6 @@ class RayRole:
     self.name, self.log_path, self.restarts = name, log_path, 0
     self.pid: Optional[int] = None
     self._options = options
-    self._args: list[str] = []
     self._restart_args: list[str] = []
     self._lost: Optional[str] = None
     self._spawn()
@@ -200,8 +199,8 @@ class RayRole:
     return _ray().get(self._host.free_port.remote(), timeout=CALL_TIMEOUT_S)
 
   def start(self, args: list[str], restart_args: Optional[list[str]] = None) -> None:
-    self._args, self._restart_args = args, restart_args or args
-    self.pid = _ray().get(self._host.start.remote(self._args, self._restart_args),
+    self._restart_args = restart_args or args
+    self.pid = _ray().get(self._host.start.remote(args, self._restart_args),
                           timeout=CALL_TIMEOUT_S)
     self._announce()
 

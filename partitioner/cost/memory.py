@@ -152,12 +152,14 @@ select_n clamp""".split())
 
 def bufferless(program) -> dict[int, int]:
   """Values XLA gives no buffer of their own, each mapped to the stored value it is computed
-  from: a reshape is a bitcast of its operand; a broadcast, and a cheap elementwise op of one
-  operand (the others constants: x * 2, -x, x > 0, a dtype conversion) read only by ops that
-  fuse it, are recomputed in every kernel that reads them. (Cheap ops of two operands are
-  stored: recomputing them too matched XLA on data parallelism but under-predicted Megatron
-  layouts by up to 20%.) Results the step returns and values crossing a loop boundary keep
-  their buffers."""
+  from (-1: to none, it is never made): a reshape is a bitcast of its operand; a broadcast,
+  and a slice or a cheap elementwise op of one operand (the others constants: x * 2, -x,
+  x > 0, a dtype conversion) read only by ops that fuse it, are recomputed in every kernel that
+  reads them; a slice that takes one part back out of a concatenation is that part, and a
+  concatenation read only by such slices is never made. (Cheap ops of two operands are stored:
+  recomputing them too matched XLA on data parallelism but under-predicted Megatron layouts by
+  up to 20%.) Results the step returns and values crossing a loop boundary keep their
+  buffers."""
   from partitioner.cost.compute import FUSIBLE
   region, users, values = program.region_of, program.users, program.values
   outputs = set(program.outputs)
@@ -166,28 +168,29 @@ def bufferless(program) -> dict[int, int]:
     if len(op.outputs) != 1 or op.outputs[0] in outputs:
       continue
     v = op.outputs[0]
+    part = _whole_part(program, op) if op.name == "slice" else None
     if op.name in VIEWS:
       source = op.inputs[0]
-    elif op.name == "slice" and _whole_part(program, op) is not None:
-      source = _whole_part(program, op)
-    elif op.name not in CHEAP and op.name != "slice" or not users[v] or not all(
+    elif part is not None:
+      source = part
+    elif (op.name in CHEAP or op.name == "slice") and users[v] and all(
         program.ops[u].name in FUSIBLE for u in users[v]):
-      continue
-    else:
       sources = [i for i in op.inputs if not values[i].is_const]
       if len(sources) != 1:
         continue
       source = sources[0]
+    else:
+      continue
     made = values[source].producer
     if made is not None and region[made] != region[op.index]:
       continue
     root[v] = root.get(source, source)
-  # A concatenation read only by slices that each take back one of its parts is never made.
   for op in program.ops:
-    if op.name == "concatenate" and users[op.outputs[0]] and all(
-        program.ops[u].name == "slice" and program.ops[u].outputs[0] in root
-        for u in users[op.outputs[0]]):
-      root[op.outputs[0]] = -1
+    out = op.outputs[0] if op.outputs else -1
+    if op.name == "concatenate" and users[out] and all(
+        program.ops[u].name == "slice" and root.get(program.ops[u].outputs[0], out) != out
+        for u in users[out]):
+      root[out] = -1
   return root
 
 

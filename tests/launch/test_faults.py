@@ -45,7 +45,9 @@ def _wait(condition, what: str, timeout_s: float = 300.0) -> None:
     time.sleep(0.25)
 
 
-def _pid(run_dir, role: str) -> int:
+def _role_pids(run_dir, role: str) -> list[int]:
+  """The processes of `run_dir` running `role` (`--role ROLE` on their command line)."""
+  pids = []
   for pid in _processes_mentioning(str(run_dir)):
     try:
       with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -53,8 +55,14 @@ def _pid(run_dir, role: str) -> int:
     except OSError:
       continue
     if "--role" in argv and argv[argv.index("--role") + 1] == role:
-      return pid
-  raise AssertionError(f"no {role} process of {run_dir}")
+      pids.append(pid)
+  return pids
+
+
+def _pid(run_dir, role: str) -> int:
+  pids = _role_pids(run_dir, role)
+  assert pids, f"no {role} process of {run_dir}"
+  return pids[0]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.launch.test_faults import EVERY, _checkpoint_steps, _pid, _steps, _wait
+from tests.launch.test_faults import EVERY, _checkpoint_steps, _pid, _role_pids, _steps, _wait
 from tests.launch.test_train import CONFIG, _processes_mentioning
 
 HELPER = os.path.join(os.path.dirname(__file__), "ray_cluster.py")
@@ -103,19 +103,6 @@ def ray_run(tmp_path_factory):
   record["out"], record["err"] = out_path.read_text(), err_path.read_text()
   record["left"] = _processes_mentioning(str(run_dir))
   return run_dir, record
-
-
-def _role_pids(run_dir, role: str) -> set[int]:
-  pids = set()
-  for pid in _processes_mentioning(str(run_dir)):
-    try:
-      with open(f"/proc/{pid}/cmdline", "rb") as f:
-        argv = f.read().decode().split("\0")
-    except OSError:
-      continue
-    if "--role" in argv and argv[argv.index("--role") + 1] == role:
-      pids.add(pid)
-  return pids
 
 
 def test_the_cluster_is_reachable_on_loopback_only(ray_run):
