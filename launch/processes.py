@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,13 @@ def _die_with_parent() -> None:
   """In the child, before exec: SIGTERM when the process that started it ends (a Ray worker
   killed with its node or its driver must not leave the role running)."""
   ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+  """A port free on every interface of this machine (Reverb binds them all)."""
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
 
 
 def train_argv(args: Sequence[str]) -> list[str]:
@@ -35,7 +43,6 @@ class Role(Protocol):
   def cause(self) -> str: ...
   def tail(self, lines: int = 15) -> str: ...
   def restart(self) -> None: ...
-  def terminate(self, timeout_s: float = 20.0) -> None: ...
 
 
 class RoleProcess:
@@ -46,7 +53,6 @@ class RoleProcess:
     self.name = name
     self.log_path = log_path
     self.restarts = 0
-    self._argv = argv
     self._restart_argv = restart_argv or argv
     self._die_with_parent = die_with_parent
     self._log = open(log_path, "a")

@@ -140,9 +140,8 @@ class RoleHost:
             "ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
 
   def free_port(self) -> int:
-    with socket.socket() as s:
-      s.bind(("", 0))
-      return s.getsockname()[1]
+    from launch.processes import free_port
+    return free_port()
 
   def start(self, args: list[str], restart_args: list[str]) -> int:
     from launch.processes import RoleProcess, train_argv
@@ -257,9 +256,6 @@ class RayRole:
                             timeout=CALL_TIMEOUT_S)
       self._lost = None
     self._announce()
-
-  def terminate(self, timeout_s: float = 20.0) -> None:
-    RayRole.terminate_all([self], timeout_s)
 
 
   @staticmethod

@@ -224,17 +224,12 @@ def exposure_warning(port: int) -> str:
           "keep that port closed to other machines (see 'shardzero train --help', Network)")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def launch(config, args) -> int:
   """Starts every role as a process on this machine, shows progress, stops all on Ctrl-C or
   SIGTERM, when the learner is done, or when the learner or the Reverb server dies."""
   from launch import progress
-  from launch.processes import RoleProcess, stop_in_order, supervise, terminate_all, train_argv
+  from launch.processes import (RoleProcess, free_port, stop_in_order, supervise,
+                                terminate_all, train_argv)
   from launch.training import stop_on_sigterm
   stop_on_sigterm()      # `kill`, a scheduler's preemption: stop every role as Ctrl-C does
   run_dir = args.run_dir
@@ -247,7 +242,7 @@ def launch(config, args) -> int:
   try:
     address = args.reverb
     if address is None:
-      port = _free_port()
+      port = free_port()
       address = f"localhost:{port}"
       print(exposure_warning(port), flush=True)
       procs.append(RoleProcess("replay", train_argv(base + ["--role", "replay", "--port",
