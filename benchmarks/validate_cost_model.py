@@ -13,6 +13,8 @@ docs/validation.md and benchmarks/results/validation.json.
    ordering is what is compared.
 4. Step time on one GPU: the table `benchmarks/gpu_step_times.py` measured on a lent GPU
    (docs/gpu/*.json), carried over as it stands, since this machine has none.
+   The same compiled programs give the deferred partial sums table: all-reduces per step
+   with every sum reduced where it is made, deferred, and as XLA compiles the deferred plan.
 5. Collective combining at scale: data parallelism and ZeRO on H100 clusters of 256 and 1024
    GPUs, predicted with and without the combiner (collectives launched, communication and
    step time).
@@ -37,7 +39,9 @@ from scipy import stats  # noqa: E402
 import corpus  # noqa: E402
 import gpu_step_times  # noqa: E402
 import partitioner as P  # noqa: E402
+from partitioner.collectives import ALL_REDUCE  # noqa: E402
 from partitioner.cost import simulate  # noqa: E402
+from partitioner.plan import make_plan  # noqa: E402
 from partitioner.hlo import hlo_collectives, memory_footprint  # noqa: E402
 
 CHECKED = {  # the strategies of the partitioner's tests, on 8 devices
@@ -127,12 +131,40 @@ def memory_rows(model) -> list[dict]:
   for name in ("dp", "zero3", "dp+megatron" if "dp+megatron" in experts else "hsdp"):
     pp = P.apply(program, MEMORY_MESH, experts[name])
     compiled = pp.jit(pp.mesh.to_jax(), donate=True).lower(*workload.args).compile()
+    xla = [c for c in hlo_collectives(compiled.as_text(), pp.mesh)
+           if c.kind == ALL_REDUCE and not c.from_constant]
     rows.append({"model": model, "strategy": name,
                  "peak_bytes": simulate(pp, "cpu").memory.peak_bytes,
-                 "xla_footprint": memory_footprint(compiled.memory_analysis())})
+                 "xla_footprint": memory_footprint(compiled.memory_analysis()),
+                 "all_reduces": {
+                     "undeferred": all_reduces(make_plan(pp.state, deferral=False).collectives),
+                     "deferred": all_reduces(pp.collectives),
+                     "xla_jit": [len(xla), sum(c.bytes for c in xla)]}})
     print(f"memory {model} / {name}: {rows[-1]['peak_bytes'] / rows[-1]['xla_footprint']:.2f}",
           flush=True)
   return rows
+
+
+def all_reduces(collectives) -> list[int]:
+  """[count, bytes per device] of the all-reduces."""
+  found = [c.bytes for c in collectives if c.kind == ALL_REDUCE]
+  return [len(found), sum(found)]
+
+
+def render_deferral(rows) -> str:
+  lines = ["", "## Deferred partial sums: all-reduces per step", "",
+           f"The same cases as the memory table ({MEMORY_MESH}): all-reduces (count, MiB per "
+           "device) when every partial sum is reduced by the op that makes it, when sums are "
+           "carried through linear ops and reduced once where they meet (the plan since cost "
+           "model 4), and in XLA's compiled jit program of the deferred plan.", "",
+           "| model | strategy | reduced where made | deferred | XLA jit |",
+           "|---|---|---:|---:|---:|"]
+  mib = lambda c: f"{c[0]} / {c[1] / 2**20:.2f}"
+  for row in rows:
+    a = row["all_reduces"]
+    lines.append(f"| {row['model']} | {row['strategy']} | {mib(a['undeferred'])} | "
+                 f"{mib(a['deferred'])} | {mib(a['xla_jit'])} |")
+  return "\n".join(lines) + "\n"
 
 
 def render_memory(rows) -> str:
@@ -277,7 +309,7 @@ def main(argv=None) -> int:
   device = f"{len(jax.devices())} {jax.devices()[0].platform.upper()} devices"
   text = render(checked, timed, correlations, args.hardware, device)
   memory = [row for m in MEMORY_MODELS for row in memory_rows(m)]
-  text += render_memory(memory)
+  text += render_memory(memory) + render_deferral(memory)
   combined = combining()
   text += render_combining(combined)
   for table in sorted(Path("docs/gpu").glob("*.json")):

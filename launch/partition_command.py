@@ -209,6 +209,12 @@ def _print(args, pp, result, verification, xla, cost) -> None:
                            justify={2: "right", 3: "right"}))
   else:
     out.print("collectives: none")
+  held = pp.plan.held
+  if held.values:
+    made = sum(1 for v in held.values if p.values[v].producer not in held.ops)
+    roots = sum(1 for j in held.ops if p.ops[j].outputs[0] not in held.values)
+    out.print(f"partial sums deferred: {made} partial results carried through linear ops and "
+              f"reduced by {roots} all-reduces where they meet")
   if xla is not None:
     out.print()
     out.print(report.table("collectives: partitioner vs XLA (jax.jit)",

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.shard_map import shard_map
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from partitioner import collectives as C
 from partitioner.ir import SCAN_ENTER, bind, run_loop, walk
@@ -219,8 +219,17 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
   out_shardings = jax.tree_util.tree_unflatten(program.out_tree, list(flat_out))
   constraints = {v.id: named(v.id) for v in program.values
                  if v.producer is not None and v.rank > 0}
+  # A value held partial (partial_sums.py) is a leading dimension split over its partial axes:
+  # its producer writes each device's summand there, the ops that read it run once per
+  # summand, and the op whose result is reduced sums that dimension away.
+  held = pp.plan.held
+  for vid, axes in held.values.items():
+    constraints[vid] = NamedSharding(mesh, PartitionSpec(axes, *Sharding(state.dims[vid]).spec()))
+  reduced = {program.ops[j].outputs[0] for j in held.ops} - set(held.values)
 
   def constrain(vid, x):
+    if vid in reduced:
+      x = x.sum(0)
     s = constraints.get(vid)
     return x if s is None else lax.with_sharding_constraint(x, s)
 
@@ -239,7 +248,9 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
       if any(o and not i for i, o in zip(src, out)):
         local_slices[op.index] = named(op.inputs[0])
 
-  islands = {op.index: _island(pp, op, mesh) for op in program.ops if op.name in ISLANDS}
+  leaves = {program.values[v].producer for v in held.values} - set(held.ops)
+  islands = {op.index: _island(pp, op, mesh) for op in program.ops
+             if op.name in ISLANDS or op.index in leaves}
 
   # A convolution reads its operands in the plan's layouts (spatial dimensions whole). Left to
   # choose, XLA's CPU SPMD partitioner (jaxlib 0.4.34) computes a wrong filter gradient when the
@@ -251,7 +262,21 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
                  if k in plan_ops[op.index].reads else None for k in range(len(op.inputs))]
       for op in program.ops if op.name in PLANNED_READS and plan_ops[op.index].reads}
 
+  # A layout the plan makes again in the backward pass (a ZeRO-3 parameter gathered again)
+  # is read through an optimization barrier, so that XLA's CSE does not merge it with the
+  # forward pass's gather and keep the gathered parameter alive across the step.
+  made, again = set(), {}
+  for (i, k), c in sorted(pp.plan.copy_of.items(), key=lambda item: item[1]):
+    copy = pp.plan.copies[c]
+    key = (copy.value, copy.dims)
+    if key in made and any(s.kind == C.ALL_GATHER for s in plan_ops[i].operand_steps[k]):
+      again.setdefault(i, set()).add(k)
+    made.add(key)
+
   def bind_op(op, args):
+    if op.index in again:
+      args = [lax.optimization_barrier(a) if k in again[op.index] else a
+              for k, a in enumerate(args)]
     shardings = read_as_planned.get(op.index)
     if shardings is not None:
       args = [a if s is None else lax.with_sharding_constraint(a, s)
@@ -260,6 +285,9 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
       return [concatenate_by_padding(args, op.params["dimension"])]
     if op.index in islands:
       return list(islands[op.index](*args))
+    if op.index in held.ops:
+      return list(jax.vmap(lambda *a: bind(op, a, op.params),
+                           in_axes=[0 if v in held.values else None for v in op.inputs])(*args))
     outs = bind(op, args, op.params)
     if op.index in local_slices:
       outs = [lax.with_sharding_constraint(outs[0], local_slices[op.index])]
@@ -295,15 +323,20 @@ def _island(pp, op, mesh) -> Callable:
   factors = pp.state.table[op.index].factors
   rule = LOCAL_RULES.get(op.name)
 
+  held = [pp.plan.held.values.get(v) for v in op.outputs]
+
   def local(*args):
     if rule is not None:
       outs = rule(op, LocalContext(op, program, sizes, op_plan, factors), list(args))
     else:
       outs = bind(op, list(args), op.params)
-    return tuple(run_steps(x, steps, sizes) for x, steps in zip(outs, op_plan.result_steps))
+    return tuple(run_steps(x, steps, sizes) if axes is None else x[None]
+                 for x, steps, axes in zip(outs, op_plan.result_steps, held))
 
   in_specs = tuple(Sharding(d).spec() for d in op_plan.operand_dims)
-  out_specs = tuple(Sharding(pp.state.dims[v]).spec() for v in op.outputs)
+  out_specs = tuple(Sharding(pp.state.dims[v]).spec() if axes is None else
+                    PartitionSpec(axes, *Sharding(pp.state.dims[v]).spec())
+                    for v, axes in zip(op.outputs, held))
   return shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 

@@ -3,8 +3,9 @@
 Derived from the final shardings alone: each op agrees its factor axes from its tensors (the
 same merge propagation uses), reads its operands in the layout those axes imply (resharding
 where a value is laid out otherwise), produces a local result that is partial over the axes of
-its sharded reduction factors, and reshards that into the value's own sharding. Both lowerings
-and the cost model read this plan, so the collectives they see are the same.
+its sharded reduction factors, and reshards that into the value's own sharding, unless the sum
+is deferred to a later linear op (partial_sums.py). Both lowerings and the cost model read this
+plan, so the collectives they see are the same.
 
 A resharded copy of a value is made once and shared by the ops that read that layout, but not
 kept from the forward pass into the backward pass: as FSDP does, a gathered parameter is
@@ -21,6 +22,7 @@ from typing import NamedTuple
 from partitioner.collectives import ALL_REDUCE, SLICE, Collective, Step, reshard_steps
 from partitioner.factors import REDUCE_OF_KIND, join_dim
 from partitioner.ir import SCAN_EXIT
+from partitioner.partial_sums import NOTHING_HELD, Held, defer
 from partitioner.propagation import ShardingState, priority_order
 from partitioner.roles import forward_ops
 from partitioner.sharding import Dims, Sharding
@@ -64,8 +66,11 @@ class Plan(NamedTuple):
   collectives: list[Collective]
   copies: list[Copy]
   copy_of: dict[tuple[int, int], int]     # (op, operand position) -> the copy it reads
-  communicating: list[int]                # ops with operand or result steps, in order
+  communicating: list[int]                # ops with operand or result steps or a partial
+                                          # result, in order
   staged: list[Staged]
+  held: Held                              # partial sums deferred (partial_sums.py)
+  planned: tuple[list, list]              # ops and communicating before deferral
 
 
 def _dims(dfs, fac_axes, fsizes, mesh) -> Dims:
@@ -156,24 +161,30 @@ def _plan_op(state: ShardingState, op) -> OpPlan:
                 split, reads, writes)
 
 
-def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
+def make_plan(state: ShardingState, base: Plan | None = None, deferral: bool = True) -> Plan:
   """The plan for `state`; with `base`, the plan of the state it was copied from, only the ops
-  that read or write a changed value are planned again."""
+  that read or write a changed value are planned again. Without `deferral`, every partial sum
+  is reduced by its producer (to measure what deferring saves)."""
   program, program_ops = state.program, state.program.ops
   memo = state.table.memo(state.mesh)
   if base is None:
     ops = [_op_plan(state, op, memo) for op in program.ops]
     communicating = [i for i, p in enumerate(ops) if p.communicates]
   else:
-    ops = list(base.ops)
+    ops, communicating = base.planned
+    ops = list(ops)
     touching = state.table.touching
     todo = set()
     for v in state.changed:
       todo.update(touching[v])
     for i in todo:
       ops[i] = _op_plan(state, program_ops[i], memo)
-    communicating = sorted({i for i in base.communicating if i not in todo} |
+    communicating = sorted({i for i in communicating if i not in todo} |
                            {i for i in todo if ops[i].communicates})
+  planned = (ops, communicating)
+  held = NOTHING_HELD
+  if deferral:
+    ops, communicating, held = defer(state, ops, communicating, memo)
   # Copies and collectives, in program order.
   collectives: list[Collective] = []
   copies: list[Copy] = []
@@ -212,4 +223,4 @@ def make_plan(state: ShardingState, base: Plan | None = None) -> Plan:
             Staged(i, op.outputs[k], op_plan.result[k].dims) for k, out in op_plan.writes if out])
       collectives += written[1]
       staged += written[2]
-  return Plan(ops, collectives, copies, copy_of, communicating, staged)
+  return Plan(ops, collectives, copies, copy_of, communicating, staged, held, planned)

@@ -1,0 +1,163 @@
+"""Deferred partial sums: a sum left partial by its producer is carried through linear ops and
+reduced once, where the partial sums meet, as Shardy keeps a value unreduced until it must be.
+
+A value whose producer would reduce it with one all-reduce over axes P is *held* partial
+instead when its only reader is linear in it and keeps it so: an add of values held partial
+over the same axes (the input gradient of separate Q, K and V projections, the gradient of a
+weight read twice such as a tied embedding), or a reshape, transpose, squeeze, copy,
+negation, same-width float conversion or local reduce_sum of it. The reader's result is
+then partial over P in its turn, and the all-reduce moves there. A tree of such ops is kept
+only where it saves: it joins two or more partial sums, or its root is smaller than the sum
+it started from. Everywhere else each sum is reduced by its producer, as before.
+
+The plan carries the result (`Plan.held`); the shard_map lowering holds the local pieces as
+they are, the jit lowering holds them as a leading dimension split over P, and the cost
+model sees one all-reduce at the root.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import NamedTuple
+
+from partitioner.collectives import ALL_REDUCE, reshard_steps
+from partitioner.sharding import Axes, Sharding
+
+# Linear in every operand: each must be held partial over the same axes.
+JOINING = frozenset({"add", "add_any", "sub"})
+# One operand, linear in it, never larger than it.
+PASSING = frozenset({"neg", "reshape", "transpose", "squeeze", "expand_dims", "copy",
+                     "convert_element_type", "reduce_sum"})
+
+
+class Held(NamedTuple):
+  """What deferral decided: values kept partial (value -> the axes it is partial over) and
+  the ops that read them (op -> the axes their result is partial over)."""
+  values: dict
+  ops: dict
+
+
+NOTHING_HELD = Held({}, {})
+
+
+class _Tree(NamedTuple):
+  axes: Axes
+  leaves: int
+  leaf_bytes: int          # what the producers' all-reduces would have moved
+  bytes: int               # per device bytes of this value
+  held: tuple              # values of the tree below this one
+  ops: tuple               # ops of the tree that read held values
+
+
+def _local_bytes(value, dims, sizes) -> int:
+  return math.prod(n // math.prod(sizes[a] for a in d) for n, d in zip(value.shape, dims)) * \
+      value.dtype.itemsize
+
+
+def _keeps_partial(op, values) -> bool:
+  """Whether `op` is linear in its operands without growing them."""
+  if len(op.outputs) != 1:
+    return False
+  if op.name in JOINING:
+    return True
+  if op.name not in PASSING or len(op.inputs) != 1:
+    return False
+  if op.name == "convert_element_type":
+    a, b = values[op.inputs[0]].dtype, values[op.outputs[0]].dtype
+    return a.kind == b.kind == "f" and a.itemsize == b.itemsize
+  return True
+
+
+def links(program) -> tuple[dict, tuple]:
+  """What does not depend on the shardings: per value that could be held, the op that would
+  carry it on (its only reader, linear in it, in the same loop body); the ops whose result is
+  such a value."""
+  values, users = program.values, program.users
+  region_of = program.region_of if program.regions else None
+  outputs = set(program.outputs)
+  link = {}
+  for op in program.ops:
+    if not _keeps_partial(op, values):
+      continue
+    j = op.index
+    for v in op.inputs:
+      i = values[v].producer
+      if (i is not None and users[v] == (j,) and v not in outputs and
+          len(program.ops[i].outputs) == 1 and (region_of is None or region_of[i] == region_of[j])):
+        link[v] = j
+  return link, tuple(sorted(values[v].producer for v in link))
+
+
+def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list, Held]:
+  """The op plans with partial sums deferred where that saves, the ops that then communicate,
+  and what is held partial. `ops` and `communicating` are the plans before deferral; `memo`
+  keeps what depends on the program alone."""
+  program, sizes = state.program, state.sizes
+  values, program_ops = program.values, program.ops
+  found = memo.get("partial_sums")
+  if found is None:
+    found = memo["partial_sums"] = links(program)
+  link, producers = found
+  trees: dict[int, _Tree] = {}
+  readers: list[int] = []
+  for i in producers:
+    p = ops[i]
+    if not p.writes or not p.result[0].partial or p.result[0].reduce != "sum":
+      continue
+    steps = p.result_steps[0]
+    if len(steps) != 1 or steps[0].kind != ALL_REDUCE:
+      continue
+    v = program_ops[i].outputs[0]
+    trees[v] = _Tree(steps[0].axes, 1, steps[0].bytes, steps[0].bytes, (), ())
+    readers.append(link[v])
+  if not trees:
+    return ops, communicating, NOTHING_HELD
+  heapq.heapify(readers)
+  seen = set()
+  while readers:
+    j = heapq.heappop(readers)
+    if j in seen:
+      continue
+    seen.add(j)
+    op, p = program_ops[j], ops[j]
+    parts = [trees.get(v) for v in op.inputs]
+    if (None in parts or len({t.axes for t in parts}) != 1 or p.result[0].partial or
+        p.result_steps[0] or any(p.operand_steps) or any(link.get(v) != j for v in op.inputs)):
+      continue
+    out = op.outputs[0]
+    distinct = {v: trees[v] for v in op.inputs}
+    trees[out] = _Tree(parts[0].axes, sum(t.leaves for t in distinct.values()),
+                       sum(t.leaf_bytes for t in distinct.values()),
+                       _local_bytes(values[out], state.dims[out], sizes),
+                       sum((t.held + (v,) for v, t in distinct.items()), ()),
+                       sum((t.ops for t in distinct.values()), (j,)))
+    for v in op.inputs:
+      trees[v] = None   # below a root now
+    if out in link:
+      heapq.heappush(readers, link[out])
+  held_values, held_ops = {}, {}
+  for root, t in trees.items():
+    if t is None or not t.ops or not (t.leaves > 1 or t.bytes < t.leaf_bytes):
+      continue
+    held_values.update((v, t.axes) for v in t.held)
+    held_ops.update((j, t.axes) for j in t.ops)
+  if not held_values:
+    return ops, communicating, NOTHING_HELD
+  ops = list(ops)
+  for v in held_values:
+    i = values[v].producer
+    if i not in held_ops:   # a leaf: its all-reduce is left to the root
+      ops[i] = ops[i]._replace(result_steps=((),), writes=())
+  for j, axes in held_ops.items():
+    out = program_ops[j].outputs[0]
+    local = ops[j].result[0]
+    steps = () if out in held_values else reshard_steps(
+        values[out].shape, values[out].dtype.itemsize, local.dims, axes, "sum",
+        state.dims[out], sizes)
+    ops[j] = ops[j]._replace(result=(Sharding(local.dims, axes),), result_steps=(steps,),
+                             writes=((0, any(s.kind != ALL_REDUCE for s in steps)),)
+                             if steps else ())
+  # A leaf stays in `communicating`: its work is split over the axes it leaves partial.
+  communicating = sorted(set(communicating) | {j for j in held_ops if ops[j].communicates})
+  return ops, communicating, Held(held_values, held_ops)
