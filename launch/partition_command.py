@@ -211,10 +211,12 @@ def _print(args, pp, result, verification, xla, cost) -> None:
     out.print("collectives: none")
   held = pp.plan.held
   if held.values:
-    made = sum(1 for v in held.values if p.values[v].producer not in held.ops)
-    roots = sum(1 for j in held.ops if p.ops[j].outputs[0] not in held.values)
-    out.print(f"partial sums deferred: {made} partial results carried through linear ops and "
-              f"reduced by {roots} all-reduces where they meet")
+    n = sum(1 for j in held.ops if p.ops[j].outputs[0] not in held.values)
+    loops = sum(len(ks) for ks in held.carries.values())
+    n += loops
+    out.print(f"partial sums deferred: {len(held.leaves)} partial results carried through linear "
+              f"ops and reduced by {n} all-reduce{'s' if n > 1 else ''} where they meet"
+              + (f" ({loops} after a loop instead of in every iteration)" if loops else ""))
   if xla is not None:
     out.print()
     out.print(report.table("collectives: partitioner vs XLA (jax.jit)",

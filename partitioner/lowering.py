@@ -225,11 +225,17 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
   held = pp.plan.held
   for vid, axes in held.values.items():
     constraints[vid] = NamedSharding(mesh, PartitionSpec(axes, *Sharding(state.dims[vid]).spec()))
-  reduced = {program.ops[j].outputs[0] for j in held.ops} - set(held.values)
+  reduced = ({program.ops[j].outputs[0] for j in held.ops} - set(held.values) |
+             {program.ops[i].outputs[k] for i, ks in held.carries.items() for k in ks})
+  for vid, axes in held.zeros.items():   # a held loop carry starts as zeros on every device
+    constraints[vid] = NamedSharding(mesh, PartitionSpec(axes, *Sharding(state.dims[vid]).spec()))
+  summands = {vid: math.prod(pp.mesh.sizes[a] for a in axes) for vid, axes in held.zeros.items()}
 
   def constrain(vid, x):
     if vid in reduced:
       x = x.sum(0)
+    elif vid in summands:
+      x = jnp.broadcast_to(x, (summands[vid],) + x.shape)
     s = constraints.get(vid)
     return x if s is None else lax.with_sharding_constraint(x, s)
 
@@ -248,9 +254,8 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
       if any(o and not i for i, o in zip(src, out)):
         local_slices[op.index] = named(op.inputs[0])
 
-  leaves = {program.values[v].producer for v in held.values} - set(held.ops)
   islands = {op.index: _island(pp, op, mesh) for op in program.ops
-             if op.name in ISLANDS or op.index in leaves}
+             if op.name in ISLANDS or op.index in held.leaves}
 
   # A convolution reads its operands in the plan's layouts (spatial dimensions whole). Left to
   # choose, XLA's CPU SPMD partitioner (jaxlib 0.4.34) computes a wrong filter gradient when the

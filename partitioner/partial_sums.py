@@ -10,6 +10,10 @@ then partial over P in its turn, and the all-reduce moves there. A tree of such 
 only where it saves: it joins two or more partial sums, or its root is smaller than the sum
 it started from. Everywhere else each sum is reduced by its producer, as before.
 
+A loop whose carry starts at zeros and adds a partial sum in every iteration (the gradient
+of a weight a recurrence reads at every time step) keeps the carry partial: one all-reduce
+after the loop replaces one per iteration.
+
 The plan carries the result (`Plan.held`); the shard_map lowering holds the local pieces as
 they are, the jit lowering holds them as a leading dimension split over P, and the cost
 model sees one all-reduce at the root.
@@ -20,6 +24,8 @@ from __future__ import annotations
 import heapq
 import math
 from typing import NamedTuple
+
+import numpy as np
 
 from partitioner.collectives import ALL_REDUCE, reshard_steps
 from partitioner.sharding import Axes, Sharding
@@ -32,13 +38,19 @@ PASSING = frozenset({"neg", "reshape", "transpose", "squeeze", "expand_dims", "c
 
 
 class Held(NamedTuple):
-  """What deferral decided: values kept partial (value -> the axes it is partial over) and
-  the ops that read them (op -> the axes their result is partial over)."""
+  """What deferral decided: values kept partial (value -> the axes it is partial over), the
+  ops that make them partial and leave their reduction to a later op, the ops that read them
+  (op -> the axes their result is partial over), the loop carries held (exit op -> {carry
+  position: axes}; the final carry is reduced after the loop) and the zeros that start them
+  (value -> axes: zeros are a partial sum of zeros)."""
   values: dict
+  leaves: frozenset
   ops: dict
+  carries: dict
+  zeros: dict
 
 
-NOTHING_HELD = Held({}, {})
+NOTHING_HELD = Held({}, frozenset(), {}, {}, {})
 
 
 class _Tree(NamedTuple):
@@ -69,24 +81,56 @@ def _keeps_partial(op, values) -> bool:
   return True
 
 
-def links(program) -> tuple[dict, tuple]:
+def _is_zeros(program, v) -> bool:
+  """Whether value v is made by broadcasting a constant zero."""
+  op = program.ops[program.values[v].producer] if program.values[v].producer is not None else None
+  if op is None or op.name != "broadcast_in_dim":
+    return False
+  source = program.values[op.inputs[0]]
+  return source.is_const and not np.any(np.asarray(source.const))
+
+
+class _Carry(NamedTuple):
+  """A loop carry that accumulates partial sums: `acc = acc + partial` in the body."""
+  exit: int        # the loop's exit op
+  position: int    # the carry's position
+  carry: int       # the body's view of the carry (the enter op's result)
+  zeros: int       # its initial value, zeros
+
+
+def links(program) -> tuple[dict, tuple, dict]:
   """What does not depend on the shardings: per value that could be held, the op that would
   carry it on (its only reader, linear in it, in the same loop body); the ops whose result is
-  such a value."""
-  values, users = program.values, program.users
+  such a value; and per new carry of a loop that adds to a carry starting at zeros, that
+  carry (a sum over the iterations can stay partial until the loop ends)."""
+  values, users, ops = program.values, program.users, program.ops
   region_of = program.region_of if program.regions else None
   outputs = set(program.outputs)
   link = {}
-  for op in program.ops:
+  for op in ops:
     if not _keeps_partial(op, values):
       continue
     j = op.index
     for v in op.inputs:
       i = values[v].producer
       if (i is not None and users[v] == (j,) and v not in outputs and
-          len(program.ops[i].outputs) == 1 and (region_of is None or region_of[i] == region_of[j])):
+          len(ops[i].outputs) == 1 and (region_of is None or region_of[i] == region_of[j])):
         link[v] = j
-  return link, tuple(sorted(values[v].producer for v in link))
+  carries = {}
+  for region in program.regions:
+    enter, exit_ = ops[region.enter], ops[region.exit]
+    for k in range(region.num_carry):
+      c, new, init = enter.outputs[k], exit_.inputs[k], enter.inputs[k]
+      j = values[new].producer
+      if (j is None or ops[j].name not in JOINING or users[c] != (j, exit_.index) or
+          users[new] != (exit_.index,) or users[init] != (enter.index,) or
+          not _is_zeros(program, init)):
+        continue
+      link[c] = j
+      carries[new] = _Carry(exit_.index, k, c, init)
+  producers = tuple(sorted(values[v].producer for v in link if v not in
+                           {t.carry for t in carries.values()}))
+  return link, producers, carries
 
 
 def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list, Held]:
@@ -98,8 +142,11 @@ def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list
   found = memo.get("partial_sums")
   if found is None:
     found = memo["partial_sums"] = links(program)
-  link, producers = found
+  link, producers, carries = found
   trees: dict[int, _Tree] = {}
+  for t in carries.values():   # zeros to begin with: a partial sum over any axes
+    trees[t.carry] = _Tree(None, 0, 0, 0, (), ())
+  roots: dict[int, tuple] = {}   # final carry -> (its exit op, position)
   readers: list[int] = []
   for i in producers:
     p = ops[i]
@@ -122,12 +169,15 @@ def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list
     seen.add(j)
     op, p = program_ops[j], ops[j]
     parts = [trees.get(v) for v in op.inputs]
-    if (None in parts or len({t.axes for t in parts}) != 1 or p.result[0].partial or
-        p.result_steps[0] or any(p.operand_steps) or any(link.get(v) != j for v in op.inputs)):
+    if None in parts:
+      continue
+    axes = {t.axes for t in parts} - {None}
+    if (len(axes) != 1 or p.result[0].partial or p.result_steps[0] or any(p.operand_steps) or
+        any(link.get(v) != j for v in op.inputs)):
       continue
     out = op.outputs[0]
     distinct = {v: trees[v] for v in op.inputs}
-    trees[out] = _Tree(parts[0].axes, sum(t.leaves for t in distinct.values()),
+    trees[out] = _Tree(axes.pop(), sum(t.leaves for t in distinct.values()),
                        sum(t.leaf_bytes for t in distinct.values()),
                        _local_bytes(values[out], state.dims[out], sizes),
                        sum((t.held + (v,) for v, t in distinct.items()), ()),
@@ -136,19 +186,40 @@ def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list
       trees[v] = None   # below a root now
     if out in link:
       heapq.heappush(readers, link[out])
-  held_values, held_ops = {}, {}
+    carry = carries.get(out)
+    if (carry is not None and trees[out].leaves and carry.carry in trees[out].held and
+        not ops[carry.exit].operand_steps[carry.position]):
+      # The loop's sum stays partial to its end: reduced once after it, not per iteration.
+      t = trees.pop(out)
+      final = program_ops[carry.exit].outputs[carry.position]
+      trees[final] = t._replace(held=t.held + (out,), leaves=2)
+      roots[final] = carry
+  held_values, held_ops, held_carries, zeros = {}, {}, {}, {}
   for root, t in trees.items():
     if t is None or not t.ops or not (t.leaves > 1 or t.bytes < t.leaf_bytes):
       continue
     held_values.update((v, t.axes) for v in t.held)
     held_ops.update((j, t.axes) for j in t.ops)
+    if root in roots:
+      carry = roots[root]
+      held_carries.setdefault(carry.exit, {})[carry.position] = t.axes
+      zeros[carry.zeros] = t.axes
   if not held_values:
     return ops, communicating, NOTHING_HELD
   ops = list(ops)
-  for v in held_values:
-    i = values[v].producer
-    if i not in held_ops:   # a leaf: its all-reduce is left to the root
-      ops[i] = ops[i]._replace(result_steps=((),), writes=())
+  looped = {t.carry for t in carries.values()}
+  leaves = frozenset(values[v].producer for v in held_values if v not in looped) - set(held_ops)
+  for i in leaves:
+    ops[i] = ops[i]._replace(result_steps=((),), writes=())
+  for i, positions in held_carries.items():
+    p, out = ops[i], program_ops[i].outputs
+    result, steps = list(p.result), list(p.result_steps)
+    for k, axes in positions.items():
+      result[k] = Sharding(result[k].dims, axes)
+      steps[k] = reshard_steps(values[out[k]].shape, values[out[k]].dtype.itemsize,
+                               result[k].dims, axes, "sum", state.dims[out[k]], sizes)
+    ops[i] = p._replace(result=tuple(result), result_steps=tuple(steps), writes=tuple(
+        (k, any(s.kind != ALL_REDUCE for s in st)) for k, st in enumerate(steps) if st))
   for j, axes in held_ops.items():
     out = program_ops[j].outputs[0]
     local = ops[j].result[0]
@@ -159,5 +230,6 @@ def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list
                              writes=((0, any(s.kind != ALL_REDUCE for s in steps)),)
                              if steps else ())
   # A leaf stays in `communicating`: its work is split over the axes it leaves partial.
-  communicating = sorted(set(communicating) | {j for j in held_ops if ops[j].communicates})
-  return ops, communicating, Held(held_values, held_ops)
+  communicating = sorted(set(communicating) | {j for j in held_ops if ops[j].communicates} |
+                         set(held_carries))
+  return ops, communicating, Held(held_values, leaves, held_ops, held_carries, zeros)

@@ -24,6 +24,8 @@ def test_partition_prints_shardings_collectives_and_verifies(capsys):
   assert code == 0
   assert "params/gpt/layer_*/w_in/w" in out and "[-, model]" in out
   assert "all-reduce" in out and "verify: OK" in out
+  assert ("partial sums deferred: 8 partial results carried through linear ops and reduced by "
+          "3 all-reduces where they meet") in out
 
 
 def test_partition_json_has_the_documented_fields(capsys, tmp_path):

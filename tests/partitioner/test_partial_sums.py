@@ -4,6 +4,8 @@ Each case checks the plan (which values are held, where the one all-reduce runs 
 size), both lowerings against the unpartitioned function, the collectives XLA compiles for
 each lowering against the plan, and that the cost model's communication went down."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +35,18 @@ def compiled_all_reduces(pp, args) -> dict:
              if c.kind == ALL_REDUCE and not c.from_constant]
     out[name] = (len(found), sum(c.bytes for c in found))
   return out
+
+
+def loop_body_all_reduces(hlo_text: str) -> int:
+  """All-reduces inside while-loop bodies of compiled HLO text."""
+  bodies = set(re.findall(r"body=%?([\w.\-]+)", hlo_text))
+  found, current = 0, None
+  for line in hlo_text.splitlines():
+    if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+      current = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+    elif " all-reduce(" in line or " all-reduce-start(" in line:
+      found += current in bodies
+  return found
 
 
 def undeferred(pp):
@@ -160,3 +174,30 @@ def test_megatron_gpt_backward_reduces_each_attention_input_gradient_once():
   compiled = compiled_all_reduces(pp, w.args)
   assert compiled["shard_map"] == compiled["jit"] == (len(after), sum(b for b, _ in after))
   assert simulate(pp, "h100").step_time_s < simulate(undeferred(pp), "h100").step_time_s
+
+
+def test_a_loop_that_accumulates_partial_sums_reduces_once_after_the_loop():
+  """acc = acc + sum over the batch of f(x_t), the batch split: the per-iteration all-reduce
+  becomes one after the loop (the gradient of a weight a recurrence reads at every step)."""
+  def fn(xs, w):
+    def body(acc, x):
+      return acc + jnp.sum(jnp.tanh(x * w), axis=0), None
+    return lax.scan(body, jnp.zeros((16,)), xs)[0]
+  xs, w = jax.random.normal(KEY, (6, 8, 16)), jax.random.normal(KEY, (16,))
+  program = P.trace(fn, xs, w, loops="keep")
+  pp = P.apply(program, "a=8", "Tile(xs, 1, a)")
+  expected = fn(xs, w)
+  mesh = pp.mesh.to_jax()
+  for out in (jax.jit(pp.lower_spmd(mesh))(xs, w), pp.jit(mesh)(xs, w)):
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+  (region,) = program.regions
+  assert pp.plan.held.carries == {region.exit: {0: ("a",)}}
+  (c,) = pp.collectives
+  assert c.op == region.exit and c.kind == ALL_REDUCE and c.bytes == 16 * 4
+  (before,) = undeferred(pp).collectives
+  assert program.region_of[before.op] == 0          # in the body: once per iteration
+  assert compiled_all_reduces(pp, (xs, w)) == {"shard_map": (1, 64), "jit": (1, 64)}
+  inside = lambda fn: loop_body_all_reduces(fn.lower(xs, w).compile().as_text())
+  assert inside(jax.jit(pp.lower_spmd(mesh))) == inside(pp.jit(mesh)) == 0
+  assert inside(jax.jit(undeferred(pp).lower_spmd(mesh))) == 1
+  assert simulate(pp, "h100").comm_s < simulate(undeferred(pp), "h100").comm_s / 5
