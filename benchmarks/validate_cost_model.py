@@ -137,26 +137,32 @@ def memory_rows(model) -> list[dict]:
                  "peak_bytes": simulate(pp, "cpu").memory.peak_bytes,
                  "xla_footprint": memory_footprint(compiled.memory_analysis()),
                  "all_reduces": {
-                     "undeferred": all_reduces(make_plan(pp.state, deferral=False).collectives),
-                     "deferred": all_reduces(pp.collectives),
+                     "undeferred": all_reduces(make_plan(pp.state, deferral=False).collectives,
+                                               program),
+                     "deferred": all_reduces(pp.collectives, program),
                      "xla_jit": [len(xla), sum(c.bytes for c in xla)]}})
     print(f"memory {model} / {name}: {rows[-1]['peak_bytes'] / rows[-1]['xla_footprint']:.2f}",
           flush=True)
   return rows
 
 
-def all_reduces(collectives) -> list[int]:
-  """[count, bytes per device] of the all-reduces."""
-  found = [c.bytes for c in collectives if c.kind == ALL_REDUCE]
-  return [len(found), sum(found)]
+def all_reduces(collectives, program) -> list[int]:
+  """[count, bytes per device] of the all-reduces a step runs (one in a loop body runs once
+  per iteration)."""
+  repeat = program.op_repeat if program.regions else None
+  found = [(1 if repeat is None else int(repeat[c.op]), c.bytes) for c in collectives
+           if c.kind == ALL_REDUCE]
+  return [sum(n for n, _ in found), sum(n * b for n, b in found)]
 
 
 def render_deferral(rows) -> str:
   lines = ["", "## Deferred partial sums: all-reduces per step", "",
-           f"The same cases as the memory table ({MEMORY_MESH}): all-reduces (count, MiB per "
-           "device) when every partial sum is reduced by the op that makes it, when sums are "
-           "carried through linear ops and reduced once where they meet (the plan since cost "
-           "model 4), and in XLA's compiled jit program of the deferred plan. XLA:CPU forms no "
+           f"The same cases as the memory table ({MEMORY_MESH}): all-reduces a step runs (count, "
+           "MiB per device; one in a loop body counts once per iteration) when every partial sum "
+           "is reduced by the op that makes it, when sums are carried through linear ops and "
+           "loops and reduced once where they meet (the plan since cost model 4), and the "
+           "all-reduce instructions of XLA's compiled jit program of the deferred plan (the same "
+           "unless a loop body holds one: none does in the deferred plans). XLA:CPU forms no "
            "reduce-scatter of its own: where the plan reduce-scatters gradients (zero3, hsdp) "
            "it all-reduces and slices, so its column is larger there by those.", "",
            "| model | strategy | reduced where made | deferred | XLA jit |",
