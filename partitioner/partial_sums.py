@@ -133,16 +133,30 @@ def links(program) -> tuple[dict, tuple, dict]:
   return link, producers, carries
 
 
-def defer(state, ops: list, communicating: list, memo: dict) -> tuple[list, list, Held]:
-  """The op plans with partial sums deferred where that saves, the ops that then communicate,
-  and what is held partial. `ops` and `communicating` are the plans before deferral; `memo`
-  keeps what depends on the program alone."""
-  program, sizes = state.program, state.sizes
-  values, program_ops = program.values, program.ops
+def program_links(state) -> tuple[dict, tuple, dict]:
+  """`links` of the state's program, kept with its factor table."""
+  memo = state.table.memo(state.mesh)
   found = memo.get("partial_sums")
   if found is None:
-    found = memo["partial_sums"] = links(program)
-  link, producers, carries = found
+    found = memo["partial_sums"] = links(state.program)
+  return found
+
+
+def accumulators(state, max_bytes: int) -> list[tuple[int, ...]]:
+  """The loops' partial-sum accumulators of at most `max_bytes`: (initial zeros, the carry in
+  the body, the new carry) each. ZeRO keeps them whole over its axis, so that the sum is
+  reduced once after the loop rather than reduce-scattered into a shard in every iteration."""
+  values = state.program.values
+  return [(c.zeros, c.carry, new) for new, c in program_links(state)[2].items()
+          if math.prod(values[new].shape) * values[new].dtype.itemsize <= max_bytes]
+
+
+def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
+  """The op plans with partial sums deferred where that saves, the ops that then communicate,
+  and what is held partial. `ops` and `communicating` are the plans before deferral."""
+  program, sizes = state.program, state.sizes
+  values, program_ops = program.values, program.ops
+  link, producers, carries = program_links(state)
   trees: dict[int, _Tree] = {}
   for t in carries.values():   # zeros to begin with: a partial sum over any axes
     trees[t.carry] = _Tree(None, 0, 0, 0, (), ())

@@ -184,7 +184,7 @@ def make_plan(state: ShardingState, base: Plan | None = None, deferral: bool = T
   planned = (ops, communicating)
   held = NOTHING_HELD
   if deferral:
-    ops, communicating, held = defer(state, ops, communicating, memo)
+    ops, communicating, held = defer(state, ops, communicating)
   # Copies and collectives, in program order.
   collectives: list[Collective] = []
   copies: list[Copy] = []

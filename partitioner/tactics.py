@@ -19,6 +19,7 @@ from typing import Callable, ClassVar, NamedTuple, Sequence
 
 from partitioner import roles as R
 from partitioner.errors import PatternError, ScheduleError
+from partitioner.partial_sums import accumulators
 from partitioner.propagation import ShardingState
 
 
@@ -306,6 +307,11 @@ class SequenceParallel(Tactic):
                   lambda n: f"length {n} along dim {self.dim}")
 
 
+# A loop that adds partial sums to a carry no larger than this (a recurrence's decay gradient,
+# summed over time steps) keeps it whole under ZeRO and reduces it after the loop.
+ACCUMULATOR_BYTES = 4 << 20
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class ZeRO(Tactic):
@@ -316,7 +322,8 @@ class ZeRO(Tactic):
   earlier tactic did. Each parameter's state is cut along one dimension that divides (the
   largest one not already sharded). Stage 1 keeps everything the optimizer state does not feed
   (forward, backward, gradients) and the parameters replicated over `axis`; stage 2 keeps only
-  the parameters replicated.
+  the parameters replicated. Stages 2 and 3 keep a loop's small partial-sum accumulators whole
+  (see `ACCUMULATOR_BYTES`).
   """
   axis: str
   stage: int = 3
@@ -375,6 +382,11 @@ class ZeRO(Tactic):
       for p in roles.params:
         for v in (p,) + R.aliased_outputs(program, p):
           if not any(self.axis in d for d in state.dims[v]):
+            state.forbid(v, (self.axis,), ctx.index)
+    if self.stage > 1:
+      for accumulator in accumulators(state, ACCUMULATOR_BYTES):
+        if not any(self.axis in d for v in accumulator for d in state.dims[v]):
+          for v in accumulator:
             state.forbid(v, (self.axis,), ctx.index)
     if self.stage == 1:
       fed = R.depends_on(program, tuple(roles.opt_state))

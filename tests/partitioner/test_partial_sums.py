@@ -17,6 +17,7 @@ from partitioner.collectives import ALL_REDUCE
 from partitioner.cost import simulate
 from partitioner.hlo import hlo_collectives
 from partitioner.plan import make_plan
+from partitioner.verify import verify
 from tests.partitioner.helpers import assert_partitioned_equal
 
 KEY = jax.random.PRNGKey(0)
@@ -201,3 +202,26 @@ def test_a_loop_that_accumulates_partial_sums_reduces_once_after_the_loop():
   assert inside(jax.jit(pp.lower_spmd(mesh))) == inside(pp.jit(mesh)) == 0
   assert inside(jax.jit(undeferred(pp).lower_spmd(mesh))) == 1
   assert simulate(pp, "h100").comm_s < simulate(undeferred(pp), "h100").comm_s / 5
+
+
+def test_zero_keeps_a_small_loop_accumulator_whole_and_reduces_it_after_the_loop(monkeypatch):
+  """ZeRO-2 shards gradients; the SSM's decay gradient, summed over time steps in a loop carry,
+  stays whole over the ZeRO axes (it is small), so it is reduced once after the loop instead
+  of reduce-scattered into a shard in every iteration."""
+  from partitioner import tactics
+  w = corpus.load("ssm:small")
+  program = P.trace(w.fn, *w.args)
+  schedule = corpus.experts("ssm")["zero2"]
+  pp = P.apply(program, "batch=4,model=2", schedule)
+  exits = set(pp.plan.held.carries)   # the backward loop of each of the two layers
+  assert len(exits) == 2 and exits < {r.exit for r in program.regions}
+  assert not [c for c in pp.collectives if program.region_of[c.op] >= 0]
+  after = [c for c in pp.collectives if c.op in exits]
+  assert len(after) == len(exits) and {c.axes for c in after} == {("batch", "model")}
+  assert verify(pp, w.args).ok
+  monkeypatch.setattr(tactics, "ACCUMULATOR_BYTES", 0)
+  sharded = P.apply(program, "batch=4,model=2", schedule)
+  assert not sharded.plan.held.carries
+  inside = [c for c in sharded.collectives if program.region_of[c.op] >= 0]
+  assert {c.kind for c in inside} == {"reduce-scatter"} and len(inside) == len(exits)
+  assert simulate(pp, "h100").comm_s < simulate(sharded, "h100").comm_s
