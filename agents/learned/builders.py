@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import threading
 from typing import Any, Iterator
 
 import jax
@@ -42,11 +43,27 @@ class ReverbIterator:
     return self
 
   def __next__(self) -> dict:
-    items = []
-    for sample in self._client.sample(self._table, num_samples=self._batch_size,
-                                      emit_timesteps=False):
-      items.append(tree.unflatten_as(self._template, [np.asarray(x) for x in sample.data]))
-    return tree.map_structure(lambda *xs: np.stack(xs), *items)
+    # Reverb's sample call blocks in C++ (for ever once its server is gone), where a stop
+    # signal's Python handler cannot run; it runs in a thread, and the caller waits on it in
+    # Python, so SIGTERM still stops (and checkpoints) a learner waiting for data.
+    done: dict = {}
+
+    def sample():
+      try:
+        items = [tree.unflatten_as(self._template, [np.asarray(x) for x in s.data])
+                 for s in self._client.sample(self._table, num_samples=self._batch_size,
+                                              emit_timesteps=False)]
+        done["batch"] = tree.map_structure(lambda *xs: np.stack(xs), *items)
+      except Exception as e:   # noqa: BLE001 - raised again in the caller's thread
+        done["error"] = e
+
+    worker = threading.Thread(target=sample, name="reverb-sample", daemon=True)
+    worker.start()
+    while worker.is_alive():
+      worker.join(timeout=1.0)
+    if "error" in done:
+      raise done["error"]
+    return done["batch"]
 
 
 def _policy_lag(batch: dict, version: int) -> tuple[dict, dict]:
