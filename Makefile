@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test bench scales fuzz clean
+.PHONY: install demo test test-fast bench scales fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests
+
+# The fast lane while changing the partitioner or the cost model: everything not marked slow.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests
 
 bench: install
 	$(PY) benchmarks/bench_partitioner.py

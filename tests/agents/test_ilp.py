@@ -33,6 +33,7 @@ def test_milp_takes_a_pair_only_when_together_they_pay():
   assert z.tolist() == [False, True]
 
 
+@pytest.mark.slow
 def test_ilp_fits_a_tight_budget_near_the_expert_and_replays():
   task = dataclasses.replace(GPT, memory_budget=int(0.5 * data_parallel_peak(GPT)))
   env = PartitioningEnv(task)
@@ -49,6 +50,7 @@ def test_ilp_fits_a_tight_budget_near_the_expert_and_replays():
   assert simulate(replay, "h100").step_time_s == pytest.approx(env.cost.step_time_s)
 
 
+@pytest.mark.slow
 def test_further_rounds_only_ever_lower_the_step_time():
   env = PartitioningEnv(Task("mlp:small", "batch=4,model=2"))
   env.reset()

@@ -57,6 +57,7 @@ def _actor(builder, env, client, version=7):
                                           builder.make_adder(client))
 
 
+@pytest.mark.slow
 def test_network_masks_illegal_actions_and_scores_rows_independently(env):
   obs = env.reset().observation
   nets = make_networks()
@@ -238,6 +239,7 @@ def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
     assert without is None or without < best - PRUNE_TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "alphazero"])
 def test_learner_step_lowers_the_loss_on_a_fixed_batch(env, algorithm):
   if algorithm == "ppo":
@@ -295,6 +297,7 @@ def _uniform_targets_batch(obs, ret: float) -> dict:
           "version": np.zeros(2, np.int64)}
 
 
+@pytest.mark.slow
 def test_checkpoint_round_trip_and_damage(tmp_path, env):
   builder = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
   nets = builder.make_networks()

@@ -26,6 +26,7 @@ def programs():
   return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(corpus.FAMILIES))
 def test_every_expert_strategy_applies_and_is_costed(family, programs):
   _, program = programs(family)
@@ -46,6 +47,7 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
   assert times["zero3"].memory.breakdown["parameters"] < times["dp"].memory.breakdown["parameters"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,strategy", [
     ("gpt", "dp+megatron+vocab"), ("gpt", "dp+sp"), ("moe", "dp+ep"), ("moe", "gshard"),
     ("t5", "dp+megatron+zero3"), ("resnet", "zero3"), ("gnn", "dp+megatron"),

@@ -9,6 +9,7 @@ import partitioner as P
 from partitioner.verify import verify
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(corpus.FAMILIES))
 def test_batch_parallel_verifies_with_gradient_all_reduces_only(family):
   workload = corpus.load(f"{family}:small")
@@ -57,6 +58,7 @@ def test_bad_knobs_are_named(spec, message):
     corpus.load(spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt", "bert", "vit", "t5", "moe"])
 def test_remat_trades_activation_memory_for_recompute(family):
   from partitioner.cost import simulate

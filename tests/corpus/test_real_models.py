@@ -14,6 +14,8 @@ from corpus.workload import parameter_count
 from partitioner.cost import simulate
 from partitioner.verify import verify
 
+pytestmark = pytest.mark.slow   # HuggingFace models compiled under several strategies
+
 MESH = "batch=2,model=4"
 REAL = ("hf_gpt2", "hf_bert", "hf_t5", "hf_vit")
 

@@ -10,6 +10,7 @@ from partitioner.cost import load_hardware
 GIB = 2 ** 30
 
 
+@pytest.mark.slow
 def test_data_parallel_does_not_fit_gpt_6_7b_on_16_gib_devices_but_zero3_does():
   v100 = dataclasses.replace(load_hardware("tpu-v3"), name="16gib", hbm_bytes=16 * GIB)
   entries = {e.strategy: e for e in reference.evaluate_model(

@@ -27,6 +27,7 @@ def test_bad_specs(spec, message):
     corpus.load(spec)
 
 
+@pytest.mark.slow
 def test_large_models_are_abstract_and_trace_without_memory():
   workload = corpus.load("gpt:1.3b")
   assert workload.abstract

@@ -18,6 +18,7 @@ def run(capsys, *argv):
   return code, out, err
 
 
+@pytest.mark.slow
 def test_partition_prints_shardings_collectives_and_verifies(capsys):
   code, out, _ = run(capsys, "partition", "gpt:small", "--mesh", "batch=2,model=4", "--tactics",
                      "BatchParallel(batch); Megatron(model)", "--verify")
@@ -93,6 +94,7 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
   assert err.startswith("shardzero partition: error: ")
 
 
+@pytest.mark.slow
 def test_console_script_help_and_exit_code():
   env = dict(os.environ)
   exe = os.path.join(os.path.dirname(sys.executable), "shardzero")
@@ -109,6 +111,7 @@ def test_console_script_help_and_exit_code():
       "shardzero partition: error: unknown mesh axis 'model'; the mesh has x"]
 
 
+@pytest.mark.slow
 def test_partition_reports_the_cost_on_the_chosen_hardware(capsys):
   code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "batch=8,model=8", "--tactics",
                      "BatchParallel(batch); Megatron(model)", "--hardware", "h100", "--json", "-")
@@ -127,6 +130,7 @@ def test_partition_reports_the_cost_on_the_chosen_hardware(capsys):
   assert "does not fit" not in out and "memory per device: peak" in out
 
 
+@pytest.mark.slow
 def test_large_meshes_are_simulated_without_devices(capsys):
   code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "data=64,model=8",
                      "--tactics", "BatchParallel(data); Megatron(model)", "--hardware", "tpu-v4",

@@ -44,6 +44,7 @@ def test_search_with_every_agent_is_deterministic(capsys, tmp_path, agent):
   assert a == b
 
 
+@pytest.mark.slow
 def test_evaluate_is_deterministic(capsys, tmp_path):
   outs = []
   for k in range(2):   # a store of its own each time, or the second run would only read

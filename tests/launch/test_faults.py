@@ -16,6 +16,8 @@ import pytest
 from learners import checkpointing
 from tests.launch.test_train import CONFIG, _processes_mentioning
 
+pytestmark = pytest.mark.slow   # training runs with processes killed
+
 EVERY = 2          # checkpoint interval: the updates a killed learner may lose
 FINAL = 40         # the update the last, uninterrupted part of the run reaches
 

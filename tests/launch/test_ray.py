@@ -20,6 +20,8 @@ import pytest
 from tests.launch.test_faults import EVERY, _checkpoint_steps, _pid, _role_pids, _steps, _wait
 from tests.launch.test_train import CONFIG, _processes_mentioning
 
+pytestmark = pytest.mark.slow   # a Ray cluster and training runs
+
 HELPER = os.path.join(os.path.dirname(__file__), "ray_cluster.py")
 
 

@@ -9,6 +9,7 @@ from tests.launch.test_cli import run
 GPT = "gpt:small,d_model=512,heads=8,vocab=8192,seq=256,batch=32"
 
 
+@pytest.mark.slow
 def test_search_json_fields_and_replayable_schedule(capsys):
   code, out, _ = run(capsys, "search", GPT, "--mesh", "batch=4,model=8", "--memory-budget",
                      "100MiB", "--agent", "mcts", "--budget", "60", "--json", "-")
@@ -27,6 +28,7 @@ def test_search_json_fields_and_replayable_schedule(capsys):
   assert json.loads(out)["cost"]["step_time_s"] == pytest.approx(data["cost"]["step_time_s"])
 
 
+@pytest.mark.slow
 def test_search_on_a_folded_model_reports_the_whole_program(capsys):
   deep = "gpt:small,layers=6,d_model=256,seq=64,batch=16"
   code, out, _ = run(capsys, "search", deep, "--mesh", "batch=2,model=4", "--agent", "mcts",

@@ -14,6 +14,8 @@ import reverb
 from launch.training import RunConfig
 from tests.launch.test_cli import run
 
+pytestmark = pytest.mark.slow   # training runs over Reverb
+
 CONFIG = RunConfig(models=("mlp:mini",), heldout=("mlp:mini",), meshes=("batch=4,model=2",),
                    budget_fractions=(None,), max_steps=4, steps=3, actors=1,
                    sizes=(256, 512, 128), variable_update_period=2,

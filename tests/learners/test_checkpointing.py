@@ -50,6 +50,7 @@ class _Exploit:
     return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["old name", "new name", "inside the npz"])
 def test_a_crafted_pickle_is_refused_and_never_run(tmp_path, where):
   marker = tmp_path / "pwned"

@@ -60,6 +60,7 @@ def test_folded_costs_equal_the_deep_program_costs():
       assert mem.breakdown[category] == pytest.approx(nbytes, rel=1e-2, abs=1), (category, schedule)
 
 
+@pytest.mark.slow
 def test_an_encoder_decoder_folds_on_the_middle_layers_backward():
   # The decoder's backward blocks of its middle and first layer are alike (the last layer's
   # differs), so the middle is found by what it reads, not by position; every expert's peak

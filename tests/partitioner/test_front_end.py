@@ -103,6 +103,7 @@ def _suffixes(program, ids):
                 for v in ids)
 
 
+@pytest.mark.slow
 def test_three_spellings_of_one_step_get_the_same_roles_points_and_costs():
   from environments.actions import decision_points
   from partitioner.cost import simulate
@@ -162,6 +163,7 @@ def scanned():
   return fn, args, P.trace(fn, *args)
 
 
+@pytest.mark.slow
 def test_stacked_layer_weights_are_split_by_megatron_and_never_along_the_layer_dim(scanned):
   fn, args, program = scanned
   stacked = R.stacked_dims(program)
@@ -181,6 +183,7 @@ def test_stacked_layer_weights_are_split_by_megatron_and_never_along_the_layer_d
       assert spec[0] is None, name   # the layer dimension stays whole
 
 
+@pytest.mark.slow
 def test_layer_dimension_tiled_by_hand_verifies_in_both_lowerings(scanned):
   fn, args, program = scanned
   pp = P.apply(program, "batch=4,model=2",
@@ -189,6 +192,7 @@ def test_layer_dimension_tiled_by_hand_verifies_in_both_lowerings(scanned):
   assert result.ok and result.errors["jit"] < 1e-5, result.errors
 
 
+@pytest.mark.slow
 def test_gpt_with_layer_stack_partitions_like_its_unrolled_twin():
   import corpus
   from partitioner.cost import simulate

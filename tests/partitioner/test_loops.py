@@ -59,6 +59,7 @@ def test_kept_loop_is_a_region_with_the_body_once(decoder):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_kept_loop_verifies_keeps_the_loop_and_costs_like_the_unrolled_twin(decoder, strategy):
   fn, args, kept, unrolled = decoder
@@ -120,6 +121,7 @@ def test_tactics_see_through_the_body(decoder):
   assert inside and all(kept.op_repeat[c.op] == 6 for c in inside)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dp", "megatron", "dp+megatron", "zero3"])
 def test_layer_stack_gpt_verifies_with_the_loop_kept(gpt_stack, strategy):
   fn, args, kept, unrolled = gpt_stack
@@ -209,6 +211,7 @@ def test_what_a_loop_reads_from_outside_is_resharded_once_before_it():
   assert result.ok, result.errors
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,schedule", [
     ("batch=8", "BatchParallel(batch)"),
     ("batch=2,model=4", "BatchParallel(batch); Megatron(model)"),

@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import corpus
@@ -160,6 +161,7 @@ def test_sums_inside_a_loop_body_are_deferred_within_each_iteration():
   assert len(undeferred(pp).collectives) == 2
 
 
+@pytest.mark.slow
 def test_megatron_gpt_backward_reduces_each_attention_input_gradient_once():
   """The corpus GPT under Megatron: Q, K and V input gradients meet before one all-reduce per
   layer, so the backward pass reduces twice per layer as Megatron-LM does, and the step's
@@ -204,6 +206,7 @@ def test_a_loop_that_accumulates_partial_sums_reduces_once_after_the_loop():
   assert simulate(pp, "h100").comm_s < simulate(undeferred(pp), "h100").comm_s / 5
 
 
+@pytest.mark.slow
 def test_zero_keeps_a_small_loop_accumulator_whole_and_reduces_it_after_the_loop(monkeypatch):
   """ZeRO-2 shards gradients; the SSM's decay gradient, summed over time steps in a loop carry,
   stays whole over the ZeRO axes (it is small), so it is reduced once after the loop instead

@@ -7,10 +7,13 @@
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fuzz_partitioner as fuzz  # noqa: E402
+
+pytestmark = pytest.mark.slow   # many random programs, each compiled twice
 
 # Small programs of every kind of op: dense, attention, convolutions with batch norm and
 # pooling, gathers and scatters, routed experts, a kept loop, a HuggingFace model.

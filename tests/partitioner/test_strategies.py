@@ -74,6 +74,7 @@ def by_source(collectives, program=None):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 @pytest.mark.parametrize("model_name", ["mlp:small", "gpt:small"])
 def test_strategy(model_name, strategy):

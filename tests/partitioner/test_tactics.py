@@ -80,6 +80,7 @@ def test_megatron_splits_columns_then_rows_and_heads():
   assert pp.output_shardings()["out/0/gpt/layer_0/w_in/w"].dims == ((), ("model",))
 
 
+@pytest.mark.slow
 def test_megatron_leaves_attention_whole_when_heads_do_not_divide():
   workload = corpus.load("gpt:small,d_model=48,heads=6")
   program = P.trace(workload.fn, *workload.args)
@@ -88,6 +89,7 @@ def test_megatron_leaves_attention_whole_when_heads_do_not_divide():
   assert pp.sharding("params/gpt/layer_0/attn/query/w").dims == ((), ())
 
 
+@pytest.mark.slow
 def test_zero_stages():
   workload, program = traced("mlp:small")
   w, mu = "params/mlp/layer_1/w", "opt_state/0/mu/mlp/layer_1/w"
@@ -114,6 +116,7 @@ def test_zero_stages():
       np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_embedding_sharding_is_vocab_parallel_and_exact():
   workload, program = traced("gpt:small")
   pp = P.apply(program, "batch=2,model=4", "BatchParallel(batch); EmbeddingSharding(model)")

@@ -44,6 +44,7 @@ def test_small_all_reduces_over_large_groups_run_as_trees():
   assert gather.decomposition == "all-gather(ICI)"
 
 
+@pytest.mark.slow
 def test_megatron_inside_a_node_beats_megatron_across_nodes():
   workload = corpus.load("gpt:1.3b")
   program = P.trace(workload.fn, *workload.args)
@@ -110,6 +111,7 @@ def test_local_flops_divide_by_the_sharding_and_elementwise_chains_fuse():
   assert split.hbm_bytes == x + w + out + out + out + 4  # and the literal 2.0
 
 
+@pytest.mark.slow
 def test_gradient_all_reduce_overlaps_megatron_all_reduce_does_not():
   workload = corpus.load("gpt:1.3b")
   program = P.trace(workload.fn, *workload.args)
@@ -126,6 +128,7 @@ def test_gradient_all_reduce_overlaps_megatron_all_reduce_does_not():
   assert cpu.exposed_comm_s == pytest.approx(cpu.comm_s)  # no async collectives on the host
 
 
+@pytest.mark.slow
 def test_memory_follows_the_strategy():
   workload = corpus.load("gpt:1.3b,remat=false")  # activations kept for the backward
   program = P.trace(workload.fn, *workload.args)
@@ -155,6 +158,7 @@ def test_donated_state_counts_once():
                                            if k not in ("parameters", "optimizer_state"))
 
 
+@pytest.mark.slow
 def test_pure_data_parallel_does_not_fit_a_6_7b_gpt_and_fsdp_does():
   workload = corpus.load("gpt:6.7b,batch=64,seq=1024")
   program = P.trace(workload.fn, *workload.args)
@@ -170,6 +174,7 @@ STRATEGIES = [("batch=8", "BatchParallel(batch)"), ("model=8", "Megatron(model)"
               ("batch=4,model=2", "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=1)")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh,schedule", STRATEGIES)
 def test_memory_agrees_with_xla(mesh, schedule):
   """Arguments per device are exact; the peak footprint is within the band measured in
