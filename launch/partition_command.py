@@ -211,9 +211,8 @@ def _print(args, pp, result, verification, xla, cost) -> None:
     out.print("collectives: none")
   held = pp.plan.held
   if held.values:
-    n = sum(1 for j in held.ops if p.ops[j].outputs[0] not in held.values)
     loops = sum(len(ks) for ks in held.carries.values())
-    n += loops
+    n = loops + sum(1 for j in held.ops if p.ops[j].outputs[0] not in held.values)
     out.print(f"partial sums deferred: {len(held.leaves)} partial results carried through linear "
               f"ops and reduced by {n} all-reduce{'s' if n > 1 else ''} where they meet"
               + (f" ({loops} after a loop instead of in every iteration)" if loops else ""))

@@ -116,6 +116,13 @@ def reshard_steps(shape: Sequence[int], itemsize: int, src: Dims, partial: Axes,
   return tuple(steps)
 
 
+def result_writes(result_steps: Sequence[Sequence[Step]]) -> tuple[tuple[int, bool], ...]:
+  """Per result an op reshards: (its position, whether out of place, i.e. more than an
+  all-reduce, which XLA runs in place)."""
+  return tuple((k, any(s.kind != ALL_REDUCE for s in steps))
+               for k, steps in enumerate(result_steps) if steps)
+
+
 def summarize(collectives: Sequence[Collective]) -> list[dict]:
   """Collectives grouped by (kind, axes): count and total bytes per device."""
   groups: dict[tuple, dict] = {}

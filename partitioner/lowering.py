@@ -222,13 +222,12 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
   # A value held partial (partial_sums.py) is a leading dimension split over its partial axes:
   # its producer writes each device's summand there, the ops that read it run once per
   # summand, and the op whose result is reduced sums that dimension away.
+  # A held loop carry starts as zeros, broadcast to every summand.
   held = pp.plan.held
-  for vid, axes in held.values.items():
+  for vid, axes in {**held.values, **held.zeros}.items():
     constraints[vid] = NamedSharding(mesh, PartitionSpec(axes, *Sharding(state.dims[vid]).spec()))
   reduced = ({program.ops[j].outputs[0] for j in held.ops} - set(held.values) |
              {program.ops[i].outputs[k] for i, ks in held.carries.items() for k in ks})
-  for vid, axes in held.zeros.items():   # a held loop carry starts as zeros on every device
-    constraints[vid] = NamedSharding(mesh, PartitionSpec(axes, *Sharding(state.dims[vid]).spec()))
   summands = {vid: math.prod(pp.mesh.sizes[a] for a in axes) for vid, axes in held.zeros.items()}
 
   def constrain(vid, x):

@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from partitioner.collectives import ALL_REDUCE, reshard_steps
-from partitioner.sharding import Axes, Sharding
+from partitioner.collectives import ALL_REDUCE, reshard_steps, result_writes
+from partitioner.sharding import Axes, Sharding, local_shape
 
 # Linear in every operand: each must be held partial over the same axes.
 JOINING = frozenset({"add", "add_any", "sub"})
@@ -60,11 +60,6 @@ class _Tree(NamedTuple):
   bytes: int               # per device bytes of this value
   held: tuple              # values of the tree below this one
   ops: tuple               # ops of the tree that read held values
-
-
-def _local_bytes(value, dims, sizes) -> int:
-  return math.prod(n // math.prod(sizes[a] for a in d) for n, d in zip(value.shape, dims)) * \
-      value.dtype.itemsize
 
 
 def _keeps_partial(op, values) -> bool:
@@ -160,7 +155,7 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
   trees: dict[int, _Tree] = {}
   for t in carries.values():   # zeros to begin with: a partial sum over any axes
     trees[t.carry] = _Tree(None, 0, 0, 0, (), ())
-  roots: dict[int, tuple] = {}   # final carry -> (its exit op, position)
+  roots: dict[int, _Carry] = {}   # final carry -> the loop carry it ends
   readers: list[int] = []
   for i in producers:
     p = ops[i]
@@ -193,7 +188,8 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
     distinct = {v: trees[v] for v in op.inputs}
     trees[out] = _Tree(axes.pop(), sum(t.leaves for t in distinct.values()),
                        sum(t.leaf_bytes for t in distinct.values()),
-                       _local_bytes(values[out], state.dims[out], sizes),
+                       math.prod(local_shape(values[out].shape, state.dims[out], sizes)) *
+                       values[out].dtype.itemsize,
                        sum((t.held + (v,) for v, t in distinct.items()), ()),
                        sum((t.ops for t in distinct.values()), (j,)))
     for v in op.inputs:
@@ -206,11 +202,11 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
       # The loop's sum stays partial to its end: reduced once after it, not per iteration.
       t = trees.pop(out)
       final = program_ops[carry.exit].outputs[carry.position]
-      trees[final] = t._replace(held=t.held + (out,), leaves=2)
+      trees[final] = t._replace(held=t.held + (out,))
       roots[final] = carry
   held_values, held_ops, held_carries, zeros = {}, {}, {}, {}
   for root, t in trees.items():
-    if t is None or not t.ops or not (t.leaves > 1 or t.bytes < t.leaf_bytes):
+    if t is None or not t.ops or not (root in roots or t.leaves > 1 or t.bytes < t.leaf_bytes):
       continue
     held_values.update((v, t.axes) for v in t.held)
     held_ops.update((j, t.axes) for j in t.ops)
@@ -232,8 +228,7 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
       result[k] = Sharding(result[k].dims, axes)
       steps[k] = reshard_steps(values[out[k]].shape, values[out[k]].dtype.itemsize,
                                result[k].dims, axes, "sum", state.dims[out[k]], sizes)
-    ops[i] = p._replace(result=tuple(result), result_steps=tuple(steps), writes=tuple(
-        (k, any(s.kind != ALL_REDUCE for s in st)) for k, st in enumerate(steps) if st))
+    ops[i] = p._replace(result=tuple(result), result_steps=tuple(steps), writes=result_writes(steps))
   for j, axes in held_ops.items():
     out = program_ops[j].outputs[0]
     local = ops[j].result[0]
@@ -241,8 +236,7 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
         values[out].shape, values[out].dtype.itemsize, local.dims, axes, "sum",
         state.dims[out], sizes)
     ops[j] = ops[j]._replace(result=(Sharding(local.dims, axes),), result_steps=(steps,),
-                             writes=((0, any(s.kind != ALL_REDUCE for s in steps)),)
-                             if steps else ())
+                             writes=result_writes((steps,)))
   # A leaf stays in `communicating`: its work is split over the axes it leaves partial.
   communicating = sorted(set(communicating) | {j for j in held_ops if ops[j].communicates} |
                          set(held_carries))

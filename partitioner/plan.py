@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from partitioner.collectives import ALL_REDUCE, SLICE, Collective, Step, reshard_steps
+from partitioner.collectives import SLICE, Collective, Step, reshard_steps, result_writes
 from partitioner.factors import REDUCE_OF_KIND, join_dim
 from partitioner.ir import SCAN_EXIT
 from partitioner.partial_sums import NOTHING_HELD, Held, defer
@@ -155,10 +155,8 @@ def _plan_op(state: ShardingState, op) -> OpPlan:
                  for dims in operand_dims + tuple(r.dims for r in results))
   split = pieces[n_in] * count(results[0].partial) if results else 1
   reads = tuple(k for k, steps in enumerate(operand_steps) if steps)
-  writes = tuple((k, any(s.kind != ALL_REDUCE for s in steps))
-                 for k, steps in enumerate(result_steps) if steps)
   return OpPlan(fac_axes, operand_dims, results, tuple(operand_steps), result_steps, pieces,
-                split, reads, writes)
+                split, reads, result_writes(result_steps))
 
 
 def make_plan(state: ShardingState, base: Plan | None = None, deferral: bool = True) -> Plan:
