@@ -32,7 +32,7 @@ from launch.runtime import relax_gc  # noqa: E402
 from environments import PartitioningEnv  # noqa: E402
 from environments.observations import Sizes  # noqa: E402
 from environments.tasks import load_program  # noqa: E402
-from launch.training import RunConfig  # noqa: E402
+from learners.run_config import RunConfig  # noqa: E402
 
 
 class _Fixed(VariableSource):

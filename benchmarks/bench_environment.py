@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from agents.mcts import MCTSActor  # noqa: E402
+from agents.search.mcts import MCTSActor  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
 from launch.runtime import relax_gc  # noqa: E402
 from environments import PartitioningEnv, Task, task_context  # noqa: E402

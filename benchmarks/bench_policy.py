@@ -20,10 +20,11 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents.expert import best_expert, evaluate_experts  # noqa: E402
-from agents.learned.inference import load_policy, play_policy  # noqa: E402
-from agents.mcts import MCTSActor  # noqa: E402
-from agents.planning import play  # noqa: E402
+from agents.search.expert import best_expert, evaluate_experts  # noqa: E402
+from agents.decoding import play_policy  # noqa: E402
+from learners.policies import load_policy  # noqa: E402
+from agents.search.mcts import MCTSActor  # noqa: E402
+from agents.search.planning import play  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
 from launch.runtime import relax_gc  # noqa: E402
 from environments import EnvConfig, PartitioningEnv, Task  # noqa: E402
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   relax_gc()   # as the shardzero command does
   policy = load_policy(args.policy)
-  from launch.training import RunConfig
+  from learners.run_config import RunConfig
   config = RunConfig.load(args.policy)
   budgets = [int(b) for b in args.budgets.split(",")]
   tasks = config.heldout_tasks() + config.heldout_tasks(tight=True)

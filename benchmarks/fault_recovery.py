@@ -122,10 +122,11 @@ def logs_intact(run_dir: str, steps: int) -> dict:
 
 def heldout_ratios(run_dir: str) -> dict:
   """The greedy policy's step time over the best expert's, per held-out model."""
-  from agents.expert import best_expert, evaluate_experts
-  from agents.learned.inference import load_policy, play_policy
+  from agents.search.expert import best_expert, evaluate_experts
+  from agents.decoding import play_policy
+  from learners.policies import load_policy
   from environments import PartitioningEnv
-  from launch.training import RunConfig
+  from learners.run_config import RunConfig
   config = RunConfig.load(run_dir)
   policy = load_policy(run_dir)
   out = {}

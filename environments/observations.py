@@ -22,23 +22,76 @@ from partitioner.cost.hardware import Hardware
 from partitioner.errors import WorkloadError
 from partitioner.ir import Program
 from partitioner.mesh import Mesh
-from partitioner.rules import FACTOR_RULES
 
 MAX_RANK = 6      # dimensions beyond this share the last slot
 MAX_AXES = 4      # mesh axes an observation can describe
-# Node kind ids: 0 padding, 1 an input, 2 a primitive without a rule, then the known primitives.
-# The ends of a loop region are nodes of kind `scan` (ids of trained policies stay as they were).
+# The version of this encoding: a policy is played only on the version it was trained on
+# (`learners.policies.load_policy` checks the run's). Bump it when a feature changes.
+OBSERVATION_VERSION = 2
+
+# Node kind ids, fixed: 0 padding, 1 an input, 2 a primitive not in the table, then the table
+# in order. New primitives are appended (the test of the table fails until they are), so the
+# ids of a trained policy never move; NUM_KINDS leaves room for them. The ends of a loop region
+# are nodes of kind `scan`.
+NODE_KINDS = (
+    'abs', 'acos', 'acosh', 'add', 'add_any', 'and', 'argmax', 'argmin', 'asin', 'asinh',
+    'atan', 'atan2', 'atanh', 'bessel_i0e', 'bessel_i1e', 'broadcast_in_dim', 'cbrt', 'ceil',
+    'clamp', 'clz', 'complex', 'concatenate', 'cond', 'conj', 'conv_general_dilated',
+    'convert_element_type', 'copy', 'cos', 'cosh', 'cumlogsumexp', 'cummax', 'cummin',
+    'cumprod', 'cumsum', 'device_put', 'digamma', 'div', 'dot_general', 'dynamic_slice',
+    'dynamic_update_slice', 'eq', 'erf', 'erf_inv', 'erfc', 'exp', 'exp2', 'expm1', 'floor',
+    'gather', 'ge', 'gt', 'igamma', 'igamma_grad_a', 'igammac', 'imag', 'integer_pow', 'iota',
+    'is_finite', 'le', 'lgamma', 'log', 'log1p', 'logistic', 'lt', 'max', 'min', 'mul', 'ne',
+    'neg', 'nextafter', 'not', 'optimization_barrier', 'or', 'pad', 'polygamma',
+    'population_count', 'pow', 'random_gamma_grad', 'real', 'reduce_and', 'reduce_max',
+    'reduce_min', 'reduce_or', 'reduce_precision', 'reduce_prod', 'reduce_sum',
+    'reduce_window_max', 'reduce_window_min', 'reduce_window_sum', 'reduce_xor',
+    'regularized_incomplete_beta', 'rem', 'reshape', 'rev', 'round', 'rsqrt', 'scan',
+    'scatter-add', 'select_and_gather_add', 'select_and_scatter_add', 'select_n',
+    'sharding_constraint', 'shift_left', 'shift_right_arithmetic', 'shift_right_logical',
+    'sign', 'sin', 'sinh', 'slice', 'sort', 'sqrt', 'square', 'squeeze', 'stop_gradient', 'sub',
+    'tan', 'tanh', 'threefry2x32', 'top_k', 'transpose', 'while', 'xor', 'zeta')
+NUM_KINDS = 256
+KIND_IDS = {p: i + 3 for i, p in enumerate(NODE_KINDS)}
 LOOP_MARKERS = ("scan_enter", "scan_exit")
-PRIMITIVES = tuple(sorted(set(FACTOR_RULES) - set(LOOP_MARKERS)))
-KIND_IDS = {p: i + 3 for i, p in enumerate(PRIMITIVES)}
 KIND_IDS.update({m: KIND_IDS["scan"] for m in LOOP_MARKERS})
-NUM_KINDS = len(PRIMITIVES) + 3
+assert len(NODE_KINDS) + 3 <= NUM_KINDS
+
 NODE_FEATURES = MAX_RANK + 7 + len(ROLES)
 SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1
-ACTION_FEATURES = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1 + len(ROLES) + 3
+
+
+class ActionColumns:
+  """Where each feature of an action row lies: the kind one-hot (`TACTIC_KINDS`), ZeRO's stage,
+  the axis one-hot and its size, the dimension one-hot and its size, and the tiled values'
+  bytes by role, their total, their count and their share of all inputs."""
+  KIND = slice(0, len(TACTIC_KINDS))
+  STAGE = len(TACTIC_KINDS)
+  AXIS = STAGE + 1                       # MAX_AXES one-hot, then the axis size
+  AXIS_SIZE = AXIS + MAX_AXES
+  DIM = AXIS_SIZE + 1                    # MAX_RANK one-hot, then the dimension's size
+  DIM_SIZE = DIM + MAX_RANK
+  ROLE = DIM_SIZE + 1                    # len(ROLES) shares of the bytes
+  BYTES = ROLE + len(ROLES)
+  COUNT = BYTES + 1
+  SHARE = COUNT + 1
+  WIDTH = SHARE + 1
+
+
+def is_manual_tactic(actions: np.ndarray) -> np.ndarray:
+  """Per action row, whether it applies a manual tactic (neither a tile nor finish)."""
+  kinds = actions[..., ActionColumns.KIND]
+  manual = [i for i, k in enumerate(TACTIC_KINDS) if k not in ("tile", "finish")]
+  return kinds[..., manual].sum(-1) > 0
+
+
+ACTION_FEATURES = ActionColumns.WIDTH
 PROGRAM_FEATURES = 13
 SHARED_FEATURES = len(ROLES) * MAX_AXES
-GLOBAL_FEATURES = MAX_AXES + 1 + 7 + PROGRAM_FEATURES + SHARED_FEATURES + 8
+# What changes with every step (`dynamic_features`), in this order.
+DYNAMIC_FEATURES = ("peak_over_budget", "log_budget", "step_time", "compute", "comm",
+                    "exposed_comm", "progress", "fits")
+GLOBAL_FEATURES = MAX_AXES + 1 + 7 + PROGRAM_FEATURES + SHARED_FEATURES + len(DYNAMIC_FEATURES)
 TOUCHED = 8       # values of an action's footprint the network reads (spread over all of them)
 
 
@@ -54,6 +107,11 @@ class Sizes(NamedTuple):
 
   def covers(self, other: "Sizes") -> bool:
     return all(a >= b for a, b in zip(self, other))
+
+
+# The padding training runs use unless told otherwise: every corpus task at `mini` and `small`
+# fits it, so one compilation of the network serves all of them.
+DEFAULT_SIZES = Sizes(4096, 8192, 512)
 
 
 NODE_KEYS = ("node_kind", "nodes", "node_sharding", "node_mask")
@@ -102,6 +160,17 @@ def observation_spec(sizes: Sizes) -> dict:
       "action_mask": specs.Array((a,), bool, "action_mask"),
       "globals": specs.Array((GLOBAL_FEATURES,), f32, "globals"),
   }
+
+
+def dynamic_features(cost, start_step_time_s: float, budget: int, progress: float) -> np.ndarray:
+  """`DYNAMIC_FEATURES` of a state: its peak memory over the budget (capped at 4), the budget,
+  its step time and its parts relative to the unpartitioned step's, the share of the episode's
+  steps taken, and whether it fits."""
+  c0 = start_step_time_s
+  return np.array([min(cost.peak_memory_bytes / budget, 4.0), np.log2(budget + 1) / 40,
+                   cost.step_time_s / c0, cost.compute_s / c0, cost.comm_s / c0,
+                   cost.exposed_comm_s / c0, progress, float(cost.peak_memory_bytes <= budget)],
+                  np.float32)
 
 
 def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
@@ -191,21 +260,19 @@ class StaticGraph:
     act = np.zeros((a, ACTION_FEATURES), np.float32)
     touched = np.zeros((a, TOUCHED), np.int32)
     touched_mask = np.zeros((a, TOUCHED), bool)
-    base_axis = len(TACTIC_KINDS) + 1
-    base_dim = base_axis + MAX_AXES + 1
-    base_role = base_dim + MAX_RANK + 1
+    C = ActionColumns
     for i, action in enumerate(actions):
       row = act[i]
-      row[TACTIC_KINDS.index(action.kind)] = 1
+      row[C.KIND.start + TACTIC_KINDS.index(action.kind)] = 1
       if action.kind == "ZeRO":
-        row[len(TACTIC_KINDS)] = action.tactic.stage / 3
+        row[C.STAGE] = action.tactic.stage / 3
       if action.axis is not None:
-        row[base_axis + self.axis_index[action.axis]] = 1
-        row[base_axis + MAX_AXES] = _log(mesh.size(action.axis), 12)
+        row[C.AXIS + self.axis_index[action.axis]] = 1
+        row[C.AXIS_SIZE] = _log(mesh.size(action.axis), 12)
       if action.point >= 0:
         point = points[action.point]
-        row[base_dim + min(action.dim, MAX_RANK - 1)] = 1
-        row[base_dim + MAX_RANK] = _log(point.shape[action.dim], 20)
+        row[C.DIM + min(action.dim, MAX_RANK - 1)] = 1
+        row[C.DIM_SIZE] = _log(point.shape[action.dim], 20)
         members = sorted(point.members)
       else:   # the inputs it tiles (their updated outputs follow them)
         members = sorted(v for v in self.footprints.get(i, ()) if v in role)
@@ -215,10 +282,10 @@ class StaticGraph:
       for m in members:
         by_role[ROLES.index(role[m])] += values[m].nbytes
       nbytes = sum(values[m].nbytes for m in members)
-      row[base_role:base_role + len(ROLES)] = by_role / max(nbytes, 1)
-      row[base_role + len(ROLES)] = _log(nbytes, 40)
-      row[base_role + len(ROLES) + 1] = _log(len(members), 10)
-      row[base_role + len(ROLES) + 2] = nbytes / all_bytes
+      row[C.ROLE:C.BYTES] = by_role / max(nbytes, 1)
+      row[C.BYTES] = _log(nbytes, 40)
+      row[C.COUNT] = _log(len(members), 10)
+      row[C.SHARE] = nbytes / all_bytes
       spread = sorted({members[j] for j in np.linspace(0, len(members) - 1, TOUCHED).round()
                        .astype(int)})
       touched[i, :len(spread)], touched_mask[i, :len(spread)] = spread, True
@@ -274,8 +341,9 @@ class StaticGraph:
     rows = sharding[self._role_values, :MAX_RANK * MAX_AXES].reshape(-1, MAX_RANK, MAX_AXES)
     return (self._role_weights @ rows.max(1)).ravel()
 
-  def observation(self, sharding: np.ndarray, mask: np.ndarray, dynamic: Sequence[float]) -> dict:
-    """`sharding`: the state's rows from `empty_sharding`/`sharding_rows`."""
+  def observation(self, sharding: np.ndarray, mask: np.ndarray, dynamic: np.ndarray) -> dict:
+    """`sharding`: the state's rows from `empty_sharding`/`sharding_rows`; `dynamic`: from
+    `dynamic_features`."""
     padded = np.zeros((self.sizes.nodes, SHARDING_FEATURES), np.float32)
     padded[:len(sharding)] = sharding
     return {

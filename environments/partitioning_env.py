@@ -31,7 +31,7 @@ from dm_env import specs
 
 from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
                                   decision_points, tile_problem)
-from environments.observations import Sizes, StaticGraph, observation_spec
+from environments.observations import Sizes, StaticGraph, dynamic_features, observation_spec
 from environments.tasks import Task, TaskDistribution, folded_program, load_program
 from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
@@ -450,10 +450,6 @@ class PartitioningEnv(dm_env.Environment):
 
   def _observation(self) -> dict:
     ctx, info = self._ctx, self._info
-    c0 = ctx.root.cost.step_time_s
-    cost = info.cost
-    dynamic = (min(cost.peak_memory_bytes / ctx.budget, 4.0), np.log2(ctx.budget + 1) / 40,
-               cost.step_time_s / c0, cost.compute_s / c0, cost.comm_s / c0,
-               cost.exposed_comm_s / c0, len(self._history) / self.config.max_steps,
-               float(cost.peak_memory_bytes <= ctx.budget))
+    dynamic = dynamic_features(info.cost, ctx.root.cost.step_time_s, ctx.budget,
+                               len(self._history) / self.config.max_steps)
     return ctx.graph.observation(info.sharding, info.mask, dynamic)

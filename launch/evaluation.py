@@ -10,7 +10,6 @@ models always get the `expert` agent, so every ratio has an expert in its denomi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -166,14 +165,14 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   from agents.loggers import InMemoryLogger
   extra: dict = {}
   if spec.kind.startswith("policy"):
-    from agents.learned.inference import play_policy
+    from agents.decoding import play_policy
     policy = _policy(spec.run)
     seconds, simulations = play_policy(env, policy, "mcts" if spec.kind == "policy+mcts" else
                                        "greedy", spec.number or 1)
     return {"decide_s": seconds, "simulations": simulations}
   from launch.search_command import make_actor
   if spec.kind == "ilp":
-    from agents.ilp import ILPActor
+    from agents.search.ilp import ILPActor
     actor = ILPActor(env, time_limit_s=float(spec.number))
   else:
     args = types.SimpleNamespace(budget=spec.number or 1, width=4, seed=seed)
@@ -194,10 +193,9 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   return {"decide_s": seconds, "simulations": simulations, **extra}
 
 
-@functools.lru_cache(maxsize=4)
 def _policy(run: str):
-  from agents.learned.inference import load_policy
-  return load_policy(run)
+  from launch.auto import POLICIES
+  return POLICIES(run)
 
 
 def _program_size(model: str) -> dict:

@@ -109,7 +109,10 @@ def run(args) -> int:
   t1 = time.perf_counter()
   program = partitioner.trace(workload.fn, *workload.args, loops=args.loops)
   t2 = time.perf_counter()
-  pp = partitioner.apply(program, mesh, schedule)
+  solver = None
+  if any(isinstance(t, partitioner.Auto) for t in schedule):
+    from launch.auto import solve as solver
+  pp = partitioner.apply(program, mesh, schedule, solver)
   pp.plan  # derived here so that the partition time includes it
   t3 = time.perf_counter()
   cost = simulate(pp, hardware, order)

@@ -47,9 +47,10 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
   import corpus
-  from agents.expert import best_expert, evaluate_experts
+  from agents.search.expert import best_expert, evaluate_experts
   from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
-  from agents.learned.inference import load_policy, play_policy
+  from agents.decoding import play_policy
+  from learners.policies import load_policy
   from partitioner.cost import load_hardware
   from partitioner.errors import ShardzeroError
   from partitioner.mesh import Mesh

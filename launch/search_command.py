@@ -63,10 +63,10 @@ def _cost_dict(cost, budget) -> dict:
 
 
 def make_actor(name: str, env, args):
-  from agents.baselines import GreedyActor, RandomActor
-  from agents.beam import BeamActor
-  from agents.expert import ExpertActor
-  from agents.mcts import MCTSActor
+  from agents.search.baselines import GreedyActor, RandomActor
+  from agents.search.beam import BeamActor
+  from agents.search.expert import ExpertActor
+  from agents.search.mcts import MCTSActor
   if args.budget < 1 or args.width < 1:
     from partitioner.errors import ShardzeroError
     raise ShardzeroError("--budget and --width must be positive")
@@ -80,7 +80,7 @@ def make_actor(name: str, env, args):
 def run(args) -> int:
   import corpus
   from agents.environment_loop import EnvironmentLoop
-  from agents.expert import best_expert, evaluate_experts
+  from agents.search.expert import best_expert, evaluate_experts
   from agents.loggers import InMemoryLogger
   from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
   from partitioner.cost import load_hardware

@@ -139,7 +139,7 @@ def _parse_value(text: str):
 
 def make_config(args):
   import corpus
-  from launch.training import RunConfig
+  from learners.run_config import RunConfig
   from partitioner.errors import ShardzeroError
   from partitioner.mesh import Mesh
   if args.resume:
@@ -180,7 +180,8 @@ def make_config(args):
 
 
 def run(args) -> int:
-  from launch.training import (RunConfig, run_actor, run_evaluator, run_learner, run_replay)
+  from learners.run_config import RunConfig
+  from launch.training import (run_actor, run_evaluator, run_learner, run_replay)
   from partitioner.errors import ShardzeroError
   if args.launcher == "ray" and args.role != "launcher":
     raise ShardzeroError("--launcher ray starts every role itself: leave out --role")

@@ -11,7 +11,6 @@ it).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import signal
 import time
@@ -19,89 +18,8 @@ from typing import Optional
 
 import numpy as np
 
+from learners.run_config import RunConfig
 from partitioner.errors import ShardzeroError
-
-CONFIG = "config.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-  """What a run trains on and how. `settings` override the algorithm's config fields."""
-  algorithm: str = "ppo"
-  preset: str = "mini"
-  models: tuple[str, ...] = ()        # training models (default: corpus.train_models(preset))
-  heldout: tuple[str, ...] = ()       # evaluation models (default: the held-out split)
-  meshes: tuple[str, ...] = ("batch=4,model=2", "batch=2,model=4")
-  hardware: str = "h100"
-  budget_fractions: tuple = (None, 0.5)
-  eval_mesh: str = "batch=4,model=2"
-  max_steps: int = 12                 # actions per episode
-  steps: int = 100                    # learner updates
-  actors: int = 2
-  seed: int = 0
-  checkpoint_every: int = 1           # learner updates between checkpoints
-  variable_update_period: int = 8     # actor steps between parameter pulls
-  eval_every_s: float = 60.0
-  sizes: tuple[int, int, int] = (4096, 8192, 512)
-  settings: dict = dataclasses.field(default_factory=dict)
-  network: dict = dataclasses.field(default_factory=dict)
-
-  def save(self, run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, CONFIG), "w") as f:
-      json.dump(dataclasses.asdict(self), f, indent=2)
-
-  @classmethod
-  def load(cls, run_dir: str) -> "RunConfig":
-    path = os.path.join(run_dir, CONFIG)
-    if not os.path.exists(path):
-      raise ShardzeroError(f"{run_dir} is not a training run (no {CONFIG})")
-    with open(path) as f:
-      data = json.load(f)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - fields
-    if unknown:
-      raise ShardzeroError(f"{path}: unknown settings {sorted(unknown)}")
-    for key in ("meshes", "budget_fractions", "sizes", "models", "heldout"):
-      if key in data:
-        data[key] = tuple(data[key])
-    return cls(**data)
-
-  def builder(self):
-    from agents.learned.builders import make_builder
-    return make_builder(self.algorithm, self.settings, self.sizes, self.network)
-
-  def env_config(self):
-    from environments import EnvConfig
-    return EnvConfig(max_steps=self.max_steps)
-
-  def train_tasks(self):
-    import corpus
-    from environments import TaskDistribution
-    models = self.models or tuple(corpus.train_models(self.preset))
-    return TaskDistribution(models, meshes=self.meshes, hardware=(self.hardware,),
-                            budget_fractions=self.budget_fractions)
-
-  def heldout_tasks(self, tight: bool = False):
-    """The held-out models on the evaluation mesh, at the device's memory; with `tight`, at the
-    first tight budget fraction the run trains with (none if it trains with none)."""
-    import corpus
-    from environments import Task
-    from environments.tasks import tight_budget
-    models = self.heldout or [f"{name}:{self.preset}" for name in corpus.split("heldout")]
-    tasks = [Task(model, self.eval_mesh, self.hardware) for model in models]
-    if not tight:
-      return tasks
-    fractions = [f for f in self.budget_fractions if f is not None]
-    return [dataclasses.replace(t, memory_budget=tight_budget(t, fractions[0]))
-            for t in tasks] if fractions else []
-
-  def train_eval_tasks(self):
-    """The training models on the evaluation mesh: what the policy learned from, as a
-    reference for how well it transfers to the held-out models."""
-    from environments import Task
-    return [Task(model, self.eval_mesh, self.hardware) for model in self.train_tasks().models]
-
 
 def stop_on_sigterm():
   """SIGTERM ends the process the way Ctrl-C does (cleanup runs, the checkpoint is kept)."""
@@ -166,7 +84,7 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   """Updates until `config.steps`, publishing parameters after every update and checkpointing
   every `checkpoint_every` updates and on the way out. Returns the updates done."""
   from agents.counting import Counter
-  from agents.learned.variable_client import AVERAGE_TABLE, publish
+  from agents.variable_client import AVERAGE_TABLE, publish
   from agents.loggers import CSVLogger
   from learners import checkpointing
   stop_on_sigterm()
@@ -176,16 +94,16 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   params = builder.init_params(networks, config.seed)
   logger = CSVLogger(os.path.join(run_dir, "logs"), "learner")
   replay = builder.make_dataset_iterator(client)
-  pretrain = getattr(builder.config, "pretrain_steps", 0)
+  pretrain = builder.pretraining[0]
 
   def batches():
     """Behaviour cloning of the experts' demonstrations up to update `pretrain_steps` (also
     after a resume), then what the actors write."""
     if learner.version < pretrain:
-      from agents.learned.demonstrations import demonstration_batches, demonstration_items
+      from agents.alphazero.demonstrations import demonstration_batches, demonstration_items
       items = demonstration_items(config.train_tasks().tasks(), builder.sizes,
                                   config.env_config(), log=lambda m: print(m, flush=True),
-                                  simulations=builder.config.demonstration_search)
+                                  simulations=builder.actor_config.demonstration_search)
       demos = demonstration_batches(items, builder.config.batch_size, config.seed)
       while learner.version < pretrain:
         batch = next(demos)
@@ -269,7 +187,7 @@ def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
   """Plays training tasks with the latest parameters, writing experience to replay."""
   from agents.counting import Counter
   from agents.environment_loop import EnvironmentLoop
-  from agents.learned.variable_client import ReverbVariableSource
+  from agents.variable_client import ReverbVariableSource
   from agents.loggers import CSVLogger
   from environments import PartitioningEnv
   from environments.observations import Sizes
@@ -292,7 +210,7 @@ def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
   actor = builder.make_actor(env, networks, source, adder, seed=seed,
                              update_period=config.variable_update_period)
   loop = EnvironmentLoop(env, actor, counter=counter, logger=_EpisodeRecord(logger, actor, env))
-  pretrain = getattr(builder.config, "pretrain_steps", 0)
+  pretrain = builder.pretraining[0]
   try:
     if pretrain:
       # Search data from a policy that has not yet cloned the experts would be stale when the
@@ -320,33 +238,28 @@ class _EpisodeRecord:
     self._logger, self._actor, self._env = logger, actor, env
 
   def write(self, data):
-    client = getattr(self._actor, "_client", None)
     ctx = self._env.context
     self._logger.write({
         "episodes": data["episodes"], "steps": data["steps"],
         "episode_length": data["episode_length"], "episode_return": float(data["episode_return"]),
         "steps_per_second": data["steps_per_second"], "time": time.time(),
-        "version": getattr(client, "version", -1),
+        "version": self._actor.version,
         "cost_ratio": self._env.cost.step_time_s / ctx.root.cost.step_time_s,
         "fits": float(self._env.fits)})
 
 
-def evaluate_policy(policy_params, networks, tasks, env_config, experts: dict) -> dict:
-  """Greedy episodes of the policy on `tasks`: step time relative to the best expert."""
-  import jax
-  from agents.learned.actors import make_policy
-  from agents.expert import best_expert, evaluate_experts
+def evaluate_policy(decode, params, tasks, env_config, experts: dict) -> dict:
+  """Greedy episodes (`decode`, an `agents.decoding.greedy_decoder`) of the policy on `tasks`:
+  step time relative to the best expert; `experts` keeps each task's best expert's cost."""
+  from agents.search.expert import best_expert, evaluate_experts
   from environments import PartitioningEnv
-  policy = make_policy(networks, evaluation=True)
   out = {}
   for task in tasks:
     env = PartitioningEnv(task, config=env_config)
-    ts = env.reset()
+    env.reset()
     if task not in experts:
       experts[task] = best_expert(evaluate_experts(env.restart_clone())).cost
-    while not ts.last():
-      action, _, _ = policy(policy_params, jax.random.PRNGKey(0), ts.observation)
-      ts = env.step(int(action))
+    decode(env, params)
     out[task.model] = (env.cost.step_time_s / experts[task].step_time_s, env.fits)
   return out
 
@@ -358,8 +271,9 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
   same at a tight memory budget, where the best expert is the fastest that fits and a policy
   counts as within 10% only if it fits too; and the mean over the training models. It plays
   the parameter average where the learner keeps one, as `propose` does."""
-  from agents.learned.variable_client import AVERAGE_TABLE, PARAMS_TABLE, ReverbVariableSource
+  from agents.decoding import greedy_decoder
   from agents.loggers import CSVLogger
+  from agents.variable_client import AVERAGE_TABLE, PARAMS_TABLE, ReverbVariableSource
   stop_on_sigterm()
   builder = config.builder()
   client = _client(address)
@@ -369,15 +283,16 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
   logger = CSVLogger(os.path.join(run_dir, "logs"), "evaluator")
   tb = _tensorboard(run_dir, "evaluator")
   experts: dict = {}
+  decode = greedy_decoder(networks)
   tight_tasks = config.heldout_tasks(tight=True)
   done = 0
   try:
     while rounds is None or done < rounds:
       start = time.time()
       params, version = source.get_variables(["policy"])[0]
-      result = evaluate_policy(params, networks, config.heldout_tasks(), config.env_config(),
+      result = evaluate_policy(decode, params, config.heldout_tasks(), config.env_config(),
                                experts)
-      train = evaluate_policy(params, networks, config.train_eval_tasks(), config.env_config(),
+      train = evaluate_policy(decode, params, config.train_eval_tasks(), config.env_config(),
                               experts)
       ratios = [r for r, _ in result.values()]
       train_ratios = [r for r, _ in train.values()]
@@ -392,7 +307,7 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
                 "train_within_10pct": float(np.mean([r <= 1.1 for r in train_ratios])),
                 **{f"ratio_{m.split(':')[0]}": r for m, (r, _) in result.items()}}
       if tight_tasks:
-        tight = evaluate_policy(params, networks, tight_tasks, config.env_config(), experts)
+        tight = evaluate_policy(decode, params, tight_tasks, config.env_config(), experts)
         record.update({
             "heldout_tight_cost_ratio": float(np.mean([r for r, _ in tight.values()])),
             "heldout_tight_within_10pct": float(np.mean([r <= 1.1 and f

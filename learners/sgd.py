@@ -12,6 +12,7 @@ read the average, whose greedy choices do not flip with the noise of single upda
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
@@ -28,6 +29,47 @@ from learners.checkpointing import CheckpointError
 
 # loss_fn(params, batch) -> (loss, metrics dict)
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SGDConfig:
+  """What every learner's config has: the optimizer, the batches and the parameter average.
+  An algorithm's config extends it (and may change its defaults)."""
+  learning_rate: float = 1e-3
+  weight_decay: float = 0.0
+  max_gradient_norm: float = 1.0
+  epochs: int = 1                  # gradient steps per batch
+  batch_size: int = 16
+  decay_steps: int = 0             # the rate falls along a cosine to 0 over these (0: constant)
+  ema_decay: float = 0.0           # evaluation and propose read a moving average of the params
+
+  def __post_init__(self):
+    if not 0.0 <= self.ema_decay < 1.0:
+      raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+    if self.decay_steps < 0:
+      raise ValueError(f"decay_steps must be >= 0, got {self.decay_steps}")
+    if self.epochs < 1 or self.batch_size < 1:
+      raise ValueError("epochs and batch_size must be positive")
+
+
+def make_optimizer(config: SGDConfig, pretrain_steps: int = 0,
+                   pretrain_learning_rate: float = 0.0) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping; at `pretrain_learning_rate` during the first
+  `pretrain_steps` updates where one is set, then at `learning_rate`, falling along a cosine to
+  zero over `decay_steps` updates where one is set (the optimizer's own step count,
+  checkpointed with it, drives the schedule, so a resumed run continues it)."""
+  c = config
+  boundary = pretrain_steps * c.epochs
+  decay = c.decay_steps * c.epochs
+  search = optax.cosine_decay_schedule(c.learning_rate, decay) if decay else None
+  if boundary and (pretrain_learning_rate or decay):
+    learning_rate = optax.join_schedules(
+        [optax.constant_schedule(pretrain_learning_rate or c.learning_rate),
+         search or optax.constant_schedule(c.learning_rate)], [boundary])
+  else:   # a float where nothing changes: no schedule count in the optimizer state
+    learning_rate = search or c.learning_rate
+  return optax.chain(optax.clip_by_global_norm(c.max_gradient_norm),
+                     optax.adamw(learning_rate, weight_decay=c.weight_decay))
 
 
 @contextlib.contextmanager

@@ -12,7 +12,8 @@ from partitioner.mesh import Mesh
 from partitioner.plan import Plan, make_plan
 from partitioner.propagation import Conflict, ShardingState
 from partitioner.sharding import Sharding, spec_entries
-from partitioner.tactics import Tactic, TacticContext, TacticReport, format_schedule, parse_schedule
+from partitioner.tactics import (AutoSolver, Tactic, TacticContext, TacticReport, format_schedule,
+                                 parse_schedule)
 
 
 def as_mesh(mesh: Mesh | str | Mapping[str, int]) -> Mesh:
@@ -51,11 +52,13 @@ class PartitionedProgram:
     values differ from it."""
     return self._parent() if self._parent is not None else None
 
-  def apply(self, schedule: str | Tactic | Sequence[Tactic]) -> "PartitionedProgram":
+  def apply(self, schedule: str | Tactic | Sequence[Tactic],
+            solver: AutoSolver | None = None) -> "PartitionedProgram":
+    """The schedule's tactics applied after this program's; `solver` decides `Auto` tactics."""
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)
     for tactic in as_tactics(schedule):
-      ctx = TacticContext(state, len(done), schedule=done)
+      ctx = TacticContext(state, len(done), schedule=done, solver=solver)
       tactic.apply(ctx)
       done.append(tactic)
       reports.append(ctx.report(tactic))
@@ -136,6 +139,8 @@ class PartitionedProgram:
 
 
 def apply(program: Program, mesh: Mesh | str | Mapping[str, int],
-          schedule: str | Tactic | Sequence[Tactic] = ()) -> PartitionedProgram:
-  """Partitions `program` over `mesh` with a schedule of tactics (objects or a string)."""
-  return PartitionedProgram(program, as_mesh(mesh)).apply(schedule)
+          schedule: str | Tactic | Sequence[Tactic] = (),
+          solver: AutoSolver | None = None) -> PartitionedProgram:
+  """Partitions `program` over `mesh` with a schedule of tactics (objects or a string);
+  `solver` decides its `Auto` tactics (`agents.search.auto.solve`, `launch.auto.solve`)."""
+  return PartitionedProgram(program, as_mesh(mesh)).apply(schedule, solver)

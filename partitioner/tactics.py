@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 import re
 import time
-from typing import Callable, ClassVar, NamedTuple, Sequence
+from typing import ClassVar, NamedTuple, Protocol, Sequence
 
 from partitioner import roles as R
 from partitioner.errors import PatternError, ScheduleError
@@ -41,8 +40,9 @@ class TacticContext:
   """What a tactic works with: the program, the mesh, the state it refines, its position."""
 
   def __init__(self, state: ShardingState, index: int, dry_run: bool = False,
-               schedule: Sequence["Tactic"] = ()):
+               schedule: Sequence["Tactic"] = (), solver: "AutoSolver | None" = None):
     self.state = state
+    self.solver = solver      # what decides an `Auto` tactic (passed in by the caller)
     self.schedule = tuple(schedule)   # the tactics applied before this one
     self.dry_run = dry_run    # tile (and so check) the targets, but do not propagate
     self.program = state.program
@@ -404,11 +404,14 @@ class AutoRequest(NamedTuple):
   axes: tuple[str, ...]            # the mesh axes the solver may shard over
 
 
-# agent name -> solver(request) -> the tactics to apply. Solvers live above the partitioner
-# (they play agents in the environment); `AUTO_PLUGIN` registers them when Auto first runs.
-AutoSolver = Callable[[AutoRequest], Sequence[Tactic]]
-AUTO_SOLVERS: dict[str, AutoSolver] = {}
-AUTO_PLUGIN = "agents.auto"
+class AutoSolver(Protocol):
+  """Decides an `Auto` tactic: the tactics to apply for `request`, or a `ScheduleError` for an
+  agent it does not know. Solvers play agents in the environment, above the partitioner, so
+  the caller passes one in: `agents.search.auto.solve` (search agents) or `launch.auto.solve`
+  (also trained policies)."""
+
+  def __call__(self, request: AutoRequest) -> Sequence[Tactic]:
+    ...
 
 
 @register
@@ -433,17 +436,12 @@ class Auto(Tactic):
     axes = tuple(a for a in re.split(r"[+ ]", self.axes) if a) or ctx.mesh.names
     for a in axes:
       ctx.mesh.check_axis(a)
-    solver_name = "policy" if self.policy else self.agent
-    if solver_name not in AUTO_SOLVERS:
-      importlib.import_module(AUTO_PLUGIN)
-    solver = AUTO_SOLVERS.get(solver_name)
-    if solver is None:
-      known = ", ".join(sorted(k for k in AUTO_SOLVERS if k != "policy"))
-      raise ScheduleError(f"Auto: unknown agent {self.agent!r}; known: {known} "
-                          "(or policy=RUN_DIR)")
+    if ctx.solver is None:
+      raise ScheduleError(f"{self} needs a solver: pass solver=agents.search.auto.solve (search "
+                          "agents) or launch.auto.solve (also policies) to apply()")
     if ctx.dry_run:
       return
-    chosen = list(solver(AutoRequest(self, ctx.state.copy(), ctx.schedule, axes)))
+    chosen = list(ctx.solver(AutoRequest(self, ctx.state.copy(), ctx.schedule, axes)))
     for tactic in chosen:
       if isinstance(tactic, Auto):
         raise ScheduleError("Auto: a solver returned another Auto tactic")

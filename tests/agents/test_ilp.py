@@ -8,8 +8,8 @@ import pytest
 
 import partitioner as P
 from agents.environment_loop import EnvironmentLoop
-from agents.expert import best_expert, evaluate_experts
-from agents.ilp import ILPActor, _milp, solve
+from agents.search.expert import best_expert, evaluate_experts
+from agents.search.ilp import ILPActor, _milp, solve
 from agents.loggers import InMemoryLogger
 from environments import PartitioningEnv, Task
 from environments.tasks import data_parallel_peak, load_program

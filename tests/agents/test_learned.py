@@ -11,18 +11,18 @@ import reverb
 import tree
 
 from agents.environment_loop import EnvironmentLoop
-from agents.expert import best_expert, evaluate_experts
-from agents.learned.builders import AlphaZeroBuilder, PPOBuilder, make_builder
-from agents.learned.actors import make_policy, make_prior_value
-from agents.learned.networks import MASKED, make_networks
-from agents.learned.variable_client import (LearnerVariableSource, ReverbVariableSource,
+from agents.search.expert import best_expert, evaluate_experts
+from agents.alphazero.networks import make_prior_value
+from agents.ppo.networks import make_policy
+from learners.algorithms import make_builder
+from learners.run_config import RunConfig
+from agents.networks import MASKED, make_networks
+from agents.variable_client import (LearnerVariableSource, ReverbVariableSource,
                                             VariableClient, publish)
 from agents.loggers import InMemoryLogger
 from environments import EnvConfig, PartitioningEnv, Task
 from environments.observations import Sizes, trimmed
 from learners import checkpointing
-from learners.alphazero import AlphaZeroConfig
-from learners.ppo import PPOConfig
 from partitioner.errors import ShardzeroError
 
 SIZES = Sizes(256, 512, 128)
@@ -98,7 +98,7 @@ def test_search_and_policy_evaluate_trimmed_padding_to_the_same_answer():
 
 
 def test_sequence_adder_writes_padded_sequences_with_versions(env):
-  builder = PPOBuilder(PPOConfig(sequence_length=4, batch_size=2), SIZES)
+  builder = make_builder("ppo", dict(sequence_length=4, batch_size=2), SIZES)
   server, client = _server(builder)
   try:
     _, _, actor = _actor(builder, env, client)
@@ -120,9 +120,8 @@ def test_sequence_adder_writes_padded_sequences_with_versions(env):
 
 @pytest.mark.parametrize("target", ["visits", "completed_q"])
 def test_return_adder_records_returns_to_go_and_policy_targets(env, target):
-  builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, min_replay_size=1, batch_size=1,
-                                             samples_per_insert=100.0, policy_target=target),
-                             SIZES)
+  builder = make_builder("alphazero", dict(simulations=4, min_replay_size=1, batch_size=1,
+                                           samples_per_insert=100.0, policy_target=target), SIZES)
   server, client = _server(builder)
   try:
     _, _, actor = _actor(builder, env, client, version=3)
@@ -150,11 +149,11 @@ def test_return_adder_records_returns_to_go_and_policy_targets(env, target):
 
 @pytest.mark.parametrize("search", [0, 32])
 def test_demonstration_episodes_replay_the_best_known_strategy_with_one_hot_targets(env, search):
-  from agents.learned.demonstrations import demonstration_moves
+  from agents.alphazero.demonstrations import demonstration_moves
   # A loose rate limiter: the whole demonstration is written before anything is sampled.
-  builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, min_replay_size=1, batch_size=8,
-                                             samples_per_insert=1.0, demonstrations=1.0,
-                                             demonstration_search=search), SIZES)
+  builder = make_builder("alphazero", dict(simulations=4, min_replay_size=1, batch_size=8,
+                                           samples_per_insert=1.0, demonstrations=1.0,
+                                           demonstration_search=search), SIZES)
   server, client = _server(builder)
   try:
     _, _, actor = _actor(builder, env, client)
@@ -200,7 +199,7 @@ def test_unknown_settings_are_clear_errors():
 
 
 def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
-  from agents.learned.demonstrations import demonstration_moves
+  from agents.alphazero.demonstrations import demonstration_moves
   from environments import TaskDistribution
   task = Task("resnet:mini,batch=64", "batch=4,model=2")
   roomy = PartitioningEnv(task)
@@ -224,7 +223,7 @@ def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
   """Where a plain search beats every expert (an MLP on batch=4,model=2 wants Megatron over
   its batch axis too), the demonstration is the search's plan, without the moves that gain
   less than PRUNE_TOLERANCE of the step."""
-  from agents.learned.demonstrations import PRUNE_TOLERANCE, _score_of, demonstration_moves
+  from agents.alphazero.demonstrations import PRUNE_TOLERANCE, _score_of, demonstration_moves
   env = PartitioningEnv(TASK)
   env.reset()
   score = lambda moves: _score_of(env, moves)    # None where a move is not legal
@@ -243,10 +242,11 @@ def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
 @pytest.mark.parametrize("algorithm", ["ppo", "alphazero"])
 def test_learner_step_lowers_the_loss_on_a_fixed_batch(env, algorithm):
   if algorithm == "ppo":
-    builder = PPOBuilder(PPOConfig(sequence_length=4, batch_size=2, learning_rate=1e-3), SIZES)
+    builder = make_builder("ppo", dict(sequence_length=4, batch_size=2, learning_rate=1e-3),
+                           SIZES)
   else:
-    builder = AlphaZeroBuilder(AlphaZeroConfig(simulations=4, batch_size=4, min_replay_size=4,
-                                               samples_per_insert=100.0), SIZES)
+    builder = make_builder("alphazero", dict(simulations=4, batch_size=4, min_replay_size=4,
+                                             samples_per_insert=100.0), SIZES)
   server, client = _server(builder)
   try:
     nets, params, actor = _actor(builder, env, client)
@@ -266,7 +266,7 @@ def test_learner_step_lowers_the_loss_on_a_fixed_batch(env, algorithm):
 
 
 def test_variable_client_pulls_published_versions_through_reverb():
-  builder = PPOBuilder(PPOConfig(), SIZES)
+  builder = make_builder("ppo", sizes=SIZES)
   server, client = _server(builder)
   try:
     nets = builder.make_networks()
@@ -299,7 +299,7 @@ def _uniform_targets_batch(obs, ret: float) -> dict:
 
 @pytest.mark.slow
 def test_checkpoint_round_trip_and_damage(tmp_path, env):
-  builder = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
+  builder = make_builder("alphazero", sizes=SIZES)
   nets = builder.make_networks()
   batch = _uniform_targets_batch(env.reset().observation, ret=0.0)
   learner = builder.make_learner(nets, builder.init_params(nets), iter([batch] * 5),
@@ -328,22 +328,27 @@ def test_checkpoint_round_trip_and_damage(tmp_path, env):
 
 def test_a_policy_checkpoint_of_another_network_is_a_clear_error(tmp_path):
   """Same modules, other shapes (another hidden size, or observations of another version)."""
-  from agents.learned.inference import load_policy
-  builder = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
+  from learners.policies import load_policy
+  builder = make_builder("alphazero", sizes=SIZES)
   nets = builder.make_networks()
   learner = builder.make_learner(nets, builder.init_params(nets), iter([]),
                                  logger=InMemoryLogger())
   checkpointing.save(str(tmp_path / checkpointing.FILENAME), {"learner": learner.save()})
-  config = {"algorithm": "alphazero", "sizes": list(SIZES)}
-  (tmp_path / "config.json").write_text(json.dumps({**config, "network": {"hidden": 8}}))
+  config = RunConfig(algorithm="alphazero", sizes=tuple(SIZES))
+  dataclasses.replace(config, network={"hidden": 8}).save(str(tmp_path))
   with pytest.raises(checkpointing.CheckpointError, match="does not fit the network"):
     load_policy(str(tmp_path))
-  (tmp_path / "config.json").write_text(json.dumps(config))
+  # A run from before observations had versions (no key) was trained on version 1.
+  (tmp_path / "config.json").write_text(json.dumps({"algorithm": "alphazero",
+                                                    "sizes": list(SIZES)}))
+  with pytest.raises(checkpointing.CheckpointError, match="version 1.*train it again"):
+    load_policy(str(tmp_path))
+  config.save(str(tmp_path))
   assert load_policy(str(tmp_path)).version == 0
 
 
 def test_learner_source_serves_current_version(env):
-  builder = PPOBuilder(PPOConfig(), SIZES)
+  builder = make_builder("ppo", sizes=SIZES)
   nets = builder.make_networks()
   learner = builder.make_learner(nets, builder.init_params(nets), iter([]),
                                  logger=InMemoryLogger())
@@ -354,9 +359,9 @@ def test_learner_source_serves_current_version(env):
 def test_parameter_average_is_the_moving_average_and_what_propose_loads(tmp_path, env):
   """With ema_decay the learner keeps avg <- d * avg + (1 - d) * params after every update;
   it is checkpointed, survives a restore, and is what `load_policy` returns."""
-  from agents.learned.inference import load_policy
+  from learners.policies import load_policy
   decay = 0.5
-  builder = AlphaZeroBuilder(AlphaZeroConfig(ema_decay=decay), SIZES)
+  builder = make_builder("alphazero", dict(ema_decay=decay), SIZES)
   assert builder.evaluation_variables == "average"
   nets = builder.make_networks()
   batch = _uniform_targets_batch(env.reset().observation, ret=1.0)
@@ -374,15 +379,15 @@ def test_parameter_average_is_the_moving_average_and_what_propose_loads(tmp_path
   with pytest.raises(KeyError, match="unknown variables"):
     learner.get_variables(["target"])
   checkpointing.save(str(tmp_path / checkpointing.FILENAME), {"learner": learner.save()})
-  (tmp_path / "config.json").write_text(json.dumps(
-      {"algorithm": "alphazero", "sizes": list(SIZES), "settings": {"ema_decay": decay}}))
+  RunConfig(algorithm="alphazero", sizes=tuple(SIZES), settings={"ema_decay": decay}).save(
+      str(tmp_path))
   np.testing.assert_allclose(leaf(load_policy(str(tmp_path)).params), leaf(average))
   fresh = builder.make_learner(nets, builder.init_params(nets, seed=1), iter([batch]),
                                logger=InMemoryLogger())
   fresh.restore(checkpointing.load(str(tmp_path))["learner"])
   np.testing.assert_allclose(leaf(fresh.get_variables(["average"])[0]), leaf(average))
   # Without an average the latest parameters are served under both names and loaded.
-  plain = AlphaZeroBuilder(AlphaZeroConfig(), SIZES)
+  plain = make_builder("alphazero", sizes=SIZES)
   assert plain.evaluation_variables == "policy"
   plain_learner = plain.make_learner(nets, init, iter([batch]), logger=InMemoryLogger())
   plain_learner.restore(checkpointing.load(str(tmp_path))["learner"])

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import partitioner as P
-from agents.baselines import GreedyActor, RandomActor
-from agents.beam import BeamActor
+from agents.search.baselines import GreedyActor, RandomActor
+from agents.search.beam import BeamActor
 from agents.environment_loop import EnvironmentLoop
-from agents.expert import ExpertActor, best_expert, evaluate_experts
+from agents.search.expert import ExpertActor, best_expert, evaluate_experts
 from agents.loggers import InMemoryLogger
-from agents.mcts import MCTSActor, _Node, improved_policy
+from agents.search.mcts import MCTSActor, _Node, improved_policy
 from environments import PartitioningEnv, Task
 from environments.tasks import data_parallel_peak, load_program
 from partitioner.cost import simulate

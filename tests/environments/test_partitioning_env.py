@@ -9,7 +9,7 @@ from absl.testing import absltest
 from dm_env import test_utils
 
 import partitioner as P
-from agents.expert import evaluate_experts
+from agents.search.expert import evaluate_experts
 from environments import (InvalidActionError, PartitioningEnv, Task, TaskDistribution,
                           decision_points, parse_bytes, task_context)
 from environments.tasks import data_parallel_peak, load_program, smallest_expert_peak
@@ -369,7 +369,7 @@ def test_task_distribution_from_split_and_budgets():
 
 def test_train_variants_demonstrate_more_strategy_families():
   import corpus
-  from agents.expert import best_expert
+  from agents.search.expert import best_expert
   models = corpus.train_models("mini")
   assert models[:len(corpus.split("train"))] == [f"{n}:mini" for n in corpus.split("train")]
   best = {}

@@ -50,7 +50,7 @@ def test_pinned_reverb_listens_on_every_interface_and_training_says_so(capsys):
 WAITING_LEARNER = """
 import signal, sys, time
 import reverb
-from agents.learned.builders import ReverbIterator
+from learners.builders import ReverbIterator
 server = reverb.Server([reverb.Table.queue("q", 10)], port=None)
 client = reverb.Client(f"localhost:{server.port}")
 def stop(*_):

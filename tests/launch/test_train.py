@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import reverb
 
-from launch.training import RunConfig
+from learners.run_config import RunConfig
 from tests.launch.test_cli import run
 
 pytestmark = pytest.mark.slow   # training runs over Reverb
@@ -129,7 +129,8 @@ def test_propose_uses_the_checkpoint(trained, capsys, tmp_path):
 
 
 def test_guided_search_is_never_worse_than_greedy(trained):
-  from agents.learned.inference import load_policy, play_policy
+  from agents.decoding import play_policy
+  from learners.policies import load_policy
   from environments import PartitioningEnv, Task
   policy = load_policy(str(trained[0]))
   task = Task("gpt:mini", "batch=4,model=2")
@@ -231,8 +232,9 @@ def test_learner_pretrains_by_cloning_the_expert(tmp_path):
   """Pretraining updates clone the best expert's demonstrations (no actor needed): afterwards
   the greedy policy plays the expert's schedule."""
   import signal
-  from agents.learned.demonstrations import demonstration_moves
-  from agents.learned.inference import load_policy, play_policy
+  from agents.alphazero.demonstrations import demonstration_moves
+  from agents.decoding import play_policy
+  from learners.policies import load_policy
   from environments import PartitioningEnv, Task
   from launch.training import run_learner
   steps = 150
@@ -264,7 +266,7 @@ def test_actors_wait_for_the_cloning_to_end(tmp_path):
   have cloned the experts: replay then holds no stale items."""
   import signal
   import threading
-  from agents.learned.variable_client import publish
+  from agents.variable_client import publish
   from launch.training import run_actor
   pretrain = 5
   config = dataclasses.replace(CONFIG, algorithm="alphazero", settings={
@@ -300,9 +302,9 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   per held-out model and as means over the held-out and the train models, and at a tight
   budget. It plays the parameter average (the run keeps one), not the latest parameters."""
   import signal
-  from agents.expert import best_expert, evaluate_experts
+  from agents.search.expert import best_expert, evaluate_experts
   import jax
-  from agents.learned.variable_client import AVERAGE_TABLE, publish
+  from agents.variable_client import AVERAGE_TABLE, publish
   from environments import PartitioningEnv
   from environments.tasks import data_parallel_peak
   from launch.training import run_evaluator
@@ -324,7 +326,8 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   row, = _rows(tmp_path / "logs" / "evaluator.csv")
   assert int(float(row["version"])) == 4
   assert float(row["heldout_cost_ratio"]) == float(row["ratio_mlp"])
-  policy = builder.make_policy(networks, evaluation=True)
+  from agents.ppo.networks import make_policy
+  policy = make_policy(networks, evaluation=True)
 
   def greedy(task):
     """(step time / best expert's, fits) of an independent greedy episode."""

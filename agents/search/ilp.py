@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from agents.planning import Plan, PlanningActor
+from agents.search.planning import Plan, PlanningActor
 from environments import PartitioningEnv
 
 CANDIDATES = 32      # actions given a variable (see `_candidates`)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from agents.core import Actor
-from agents.planning import Plan, PlanningActor
+from agents.search.planning import Plan, PlanningActor
 from environments import PartitioningEnv
 
 

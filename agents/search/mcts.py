@@ -20,8 +20,9 @@ from typing import Callable
 
 import numpy as np
 
-from agents.planning import Plan, PlanningActor, path_to
+from agents.search.planning import Plan, PlanningActor, path_to
 from environments import PartitioningEnv
+from environments.observations import is_manual_tactic
 
 PriorFn = Callable[[dict], np.ndarray]
 ValueFn = Callable[[dict], float]
@@ -46,10 +47,8 @@ class _Node:
 
 def heuristic_prior(observation: dict, tactic_weight: float = 4.0) -> np.ndarray:
   """Uniform over legal actions, with manual tactics `tactic_weight` times as likely as tiles."""
-  from environments.actions import TACTIC_KINDS
   mask = observation["action_mask"].astype(np.float64)
-  kinds = observation["actions"][:, : len(TACTIC_KINDS)]
-  is_tactic = kinds[:, 1:len(TACTIC_KINDS) - 1].sum(axis=1) > 0
+  is_tactic = is_manual_tactic(observation["actions"])
   weights = mask * np.where(is_tactic, tactic_weight, 1.0)
   return weights / max(weights.sum(), 1e-12)
 

@@ -11,41 +11,24 @@ the memory budget would otherwise swamp the value loss.
 
 from __future__ import annotations
 
-import dataclasses
-
+import chex
 import jax
 import jax.numpy as jnp
 import rlax
 
-from agents.learned.networks import Networks, masked_entropy
-
-
-@dataclasses.dataclass(frozen=True)
-class PPOConfig:
-  learning_rate: float = 3e-4
-  clip_epsilon: float = 0.2
-  gae_lambda: float = 0.95
-  discount: float = 1.0
-  entropy_cost: float = 0.01
-  value_cost: float = 0.5
-  max_gradient_norm: float = 0.5
-  reward_clip: float = 2.0      # a step over the memory budget costs 1 + overflow: bound it
-  epochs: int = 2               # gradient steps per batch
-  batch_size: int = 4           # sequences per batch
-  sequence_length: int = 8      # actions per sequence (T); items hold T+1 steps
-  queue_size: int = 8           # sequences the queue holds before actors wait (policy lag)
-  ema_decay: float = 0.0        # evaluation and propose read a moving average of the params
-
-  def __post_init__(self):
-    if not 0.0 <= self.ema_decay < 1.0:
-      raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+from agents.networks import Networks, masked_entropy
+from learners.ppo.config import PPOConfig
 
 
 def ppo_loss(networks: Networks, config: PPOConfig):
   """loss_fn(params, batch) -> (loss, metrics)."""
 
   def loss_fn(params, batch):
+    chex.assert_rank(batch["action"], 2)                                 # [B, T+1]
+    chex.assert_equal_shape([batch["action"], batch["reward"], batch["discount"],
+                             batch["valid"], batch["log_prob"]])
     out = networks.apply(params, batch["observation"])
+    chex.assert_shape(out.value, batch["action"].shape)
     logp_all = jax.nn.log_softmax(out.logits, axis=-1)                   # [B, T+1, A]
     values = out.value                                                   # [B, T+1]
     valid = batch["valid"][:, :-1]

@@ -3,7 +3,7 @@ legal action, stop when `patience` depths in a row find nothing better or the bu
 
 from __future__ import annotations
 
-from agents.planning import Plan, PlanningActor, path_to
+from agents.search.planning import Plan, PlanningActor, path_to
 from environments import PartitioningEnv
 
 

@@ -22,7 +22,7 @@ from partitioner.errors import ShardzeroError
 
 def _best_expert(env) -> tuple[list[int], float]:
   """The best expert's actions (without finish) and score, or ([], -inf)."""
-  from agents.expert import best_expert, evaluate_experts
+  from agents.search.expert import best_expert, evaluate_experts
   try:
     best = best_expert(evaluate_experts(env))
   except ShardzeroError:
@@ -64,7 +64,7 @@ def demonstration_moves(env, simulations: int = 0) -> list[int]:
   memory penalty: fitting a budget the current state misses is worth a slower step)."""
   moves, score = _best_expert(env)
   if simulations:
-    from agents.mcts import MCTSActor
+    from agents.search.mcts import MCTSActor
     plan = MCTSActor(env, budget=simulations).plan(env.clone())
     if plan.score > score + 1e-12:
       moves, score = _pruned(env, [a for a in plan.actions if a != env.finish_action],

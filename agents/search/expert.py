@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from agents.planning import Plan, PlanningActor
+from agents.search.planning import Plan, PlanningActor
 from environments import PartitioningEnv
 from partitioner.errors import ShardzeroError, WorkloadError
 

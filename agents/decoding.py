@@ -1,0 +1,73 @@
+"""Playing a trained policy in an environment: greedy decoding, or MCTS guided by the policy.
+
+Needs neither Reverb nor TensorFlow, so `propose` and the `Auto` tactic stay light. Loading a
+policy from a run directory is the learners' side (`learners.policies.load_policy`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from agents.networks import Networks
+from agents.ppo.networks import make_policy
+from partitioner.errors import ShardzeroError
+
+
+class TrainedPolicy(NamedTuple):
+  networks: Networks
+  params: Any
+  version: int          # learner updates behind the parameters
+  max_steps: int        # the episode length it was trained for
+  run_dir: str
+
+
+def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
+  """`decode(env, params)`: plays the most likely legal action from `env`'s current state
+  until the episode ends. One compilation per observation size bucket, shared by every call."""
+  policy = make_policy(networks, evaluation=True)
+  key = jax.random.PRNGKey(0)
+
+  def decode(env, params) -> None:
+    done, observation = env.done, env.observation()
+    while not done:
+      action, _, _ = policy(params, key, observation)
+      ts = env.step(int(action))
+      observation, done = ts.observation, ts.last()
+
+  decode.policy = policy
+  return decode
+
+
+def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
+                budget: int = 50) -> tuple[float, int]:
+  """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
+  likely legal action until finish), or MCTS with `budget` simulations guided by the policy's
+  prior and value, which also decodes greedily and plays the better of the two (a small search
+  need not pass through the greedy line). Returns (seconds spent deciding and applying,
+  simulations). The first call for a size bucket compiles; the timing is taken after a
+  warm-up call."""
+  from agents.alphazero.networks import make_search_fns
+  from agents.search.mcts import MCTSActor
+  from agents.search.planning import path_to, play
+  if search not in ("greedy", "mcts"):
+    raise ShardzeroError(f"unknown policy search {search!r}; use greedy or mcts")
+  networks, params = policy.networks, policy.params
+  decode = greedy_decoder(networks)
+  decode.policy(params, jax.random.PRNGKey(0), env.observation())[0].block_until_ready()
+  start = time.perf_counter()
+  simulations = 0
+  if search == "mcts":
+    prior_fn, value_fn = make_search_fns(networks, lambda: params)
+    mcts = MCTSActor(env, budget=budget, prior_fn=prior_fn, value_fn=value_fn)
+    plan = mcts.plan(env.clone())
+    simulations = plan.simulations
+    line = env.clone()
+    decode(line, params)
+    better = line.score() > plan.score + 1e-12
+    play(env, path_to(line, len(env.history)) if better else plan.actions)
+  else:
+    decode(env, params)
+  return time.perf_counter() - start, simulations

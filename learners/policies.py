@@ -1,0 +1,63 @@
+"""Loading a trained policy from a `shardzero train` run directory: its config and the
+parameters of its checkpoint. Playing it is `agents.decoding`."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import jax
+import numpy as np
+
+from agents.decoding import TrainedPolicy
+from environments.observations import OBSERVATION_VERSION
+from learners import checkpointing
+from learners.run_config import CONFIG, RunConfig
+
+
+def load_policy(run_dir: str) -> TrainedPolicy:
+  """The policy checkpointed in `run_dir`: the moving average of the parameters where the
+  learner kept one (what its evaluator played), else the latest."""
+  config = RunConfig.load(run_dir)
+  builder = config.builder()
+  state = checkpointing.load(run_dir)["learner"]["state"]
+  if config.observation_version != OBSERVATION_VERSION:
+    raise checkpointing.CheckpointError(
+        f"{run_dir} was trained on observations of version {config.observation_version}; this "
+        f"shardzero encodes version {OBSERVATION_VERSION}: train it again")
+  networks = builder.make_networks()
+  params = state[0]
+  if builder.evaluation_variables == "average" and len(state) > 3 and state[3] is not None:
+    params = state[3]
+  shapes = lambda tree: jax.tree_util.tree_map(np.shape, tree)
+  if shapes(params) != shapes(builder.init_params(networks)):
+    raise checkpointing.CheckpointError(
+        f"the checkpoint in {run_dir} does not fit the network of its {CONFIG}; train it again")
+  return TrainedPolicy(networks, params, int(np.asarray(state[2])), config.max_steps, run_dir)
+
+
+class PolicyCache:
+  """Loaded policies by run directory, at most `size` of them (least recently used dropped); a
+  policy whose checkpoint changed since it was loaded is loaded again."""
+
+  def __init__(self, size: int = 4):
+    self.size = size
+    self._loaded: collections.OrderedDict[str, tuple[float, TrainedPolicy]] = \
+        collections.OrderedDict()
+
+  def __call__(self, run_dir: str) -> TrainedPolicy:
+    path = os.path.join(run_dir, checkpointing.FILENAME)
+    stamp = os.path.getmtime(path) if os.path.exists(path) else 0.0
+    hit = self._loaded.get(run_dir)
+    if hit is not None and hit[0] == stamp:
+      self._loaded.move_to_end(run_dir)
+      return hit[1]
+    policy = load_policy(run_dir)
+    self._loaded[run_dir] = (stamp, policy)
+    self._loaded.move_to_end(run_dir)
+    while len(self._loaded) > self.size:
+      self._loaded.popitem(last=False)
+    return policy
+
+  def clear(self) -> None:
+    self._loaded.clear()
