@@ -29,7 +29,8 @@ import numpy as np  # noqa: E402
 from agents.search.mcts import MCTSActor  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
 from launch.runtime import relax_gc  # noqa: E402
-from environments import PartitioningEnv, Task, task_context  # noqa: E402
+from environments import PartitioningEnv, Task  # noqa: E402
+from environments.tasks import TASKS  # noqa: E402
 
 TASKS = (
     ("gpt 12 layers", Task("gpt:125m", "batch=4,model=8"), True),
@@ -61,7 +62,7 @@ def collector_time():
 
 def measure(label: str, task: Task, steps: int, simulations: int, fold: bool = True,
             seed: int = 0) -> dict:
-  task_context.cache_clear()
+  TASKS.contexts.clear()
   start = time.perf_counter()
   env = PartitioningEnv(task, seed=seed, fold=fold)
   setup_s = time.perf_counter() - start
@@ -80,7 +81,7 @@ def measure(label: str, task: Task, steps: int, simulations: int, fold: bool = T
         taken += 1
       episodes.append(actions)
   fresh_s = time.perf_counter() - start
-  new_states = len(ctx._cache)
+  new_states = len(ctx.states)
   # The same episodes again, from the cache.
   start = time.perf_counter()
   for actions in episodes:

@@ -8,7 +8,7 @@ points that search and learned agents must match or beat.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 from partitioner.errors import WorkloadError
 
@@ -93,4 +93,62 @@ def experts(family: str, axes: Sequence[str] = ("batch", "model")) -> dict[str, 
     strategy = STRATEGIES[name]
     if len(axes) > 1 or not strategy.two_axes:
       out[name] = "; ".join(strategy.schedule(axes[:-1], axes[-1]))
+  return out
+
+
+# --------------------------------------------------------------------------- evaluating them
+class ExpertResult(NamedTuple):
+  name: str
+  schedule: str
+  cost: Any = None              # CostReport; None when the strategy does not apply
+  fits: bool | None = None      # within the memory budget
+  error: str | None = None      # why it does not apply
+
+
+def preference(step_time_s: float, peak_memory_bytes: float, fits: bool) -> tuple:
+  """The one rule for "best" (sort ascending): what fits before what does not; among what
+  fits, the fastest; among what does not, the one closest to fitting (smallest peak), then
+  the fastest."""
+  return (0, step_time_s, 0.0) if fits else (1, peak_memory_bytes, step_time_s)
+
+
+def best(results: Sequence[ExpertResult]) -> ExpertResult | None:
+  """The best of the results that apply, by `preference`."""
+  ran = [r for r in results if r.cost is not None]
+  return min(ran, key=lambda r: preference(r.cost.step_time_s, r.cost.peak_memory_bytes,
+                                           r.fits), default=None)
+
+
+def evaluate_experts(program, mesh, hardware, family: str, *, budget: int | None = None,
+                     order: Sequence[str] | None = None, strategies: Sequence[str] | None = None,
+                     simulate: Callable | None = None, start=None,
+                     progress: Callable[[str], None] | None = None) -> list[ExpertResult]:
+  """Every expert strategy of `family` applied to `program` over `mesh` (a `Mesh` or
+  "batch=8,model=4") and simulated on `hardware`; `budget`: bytes per device (default the
+  device's memory). Strategies that do not apply are kept with the reason. `simulate(pp)`
+  replaces the simulator (a folded program's); `start`, a partitioned `program`, is what the
+  schedules are applied after; `progress(name)` is called before each."""
+  from partitioner import apply
+  from partitioner.cost import load_hardware
+  from partitioner.cost import simulate as simulate_program
+  from partitioner.errors import ShardzeroError
+  from partitioner.mesh import Mesh
+  mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+  hardware = load_hardware(hardware)
+  budget = budget or hardware.hbm_bytes
+  simulate = simulate or (lambda pp: simulate_program(pp, hardware, order))
+  schedules = experts(family, mesh.names)
+  out = []
+  for name, schedule in schedules.items():
+    if strategies is not None and name not in strategies:
+      continue
+    if progress:
+      progress(name)
+    try:
+      cost = simulate(start.apply(schedule) if start is not None else
+                      apply(program, mesh, schedule))
+    except ShardzeroError as e:
+      out.append(ExpertResult(name, schedule, error=str(e)))
+      continue
+    out.append(ExpertResult(name, schedule, cost, cost.peak_memory_bytes <= budget))
   return out

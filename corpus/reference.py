@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-from corpus.experts import experts
+from corpus.experts import evaluate_experts, preference
 from corpus.registry import load, parse
 from corpus.workload import parameter_count
-from partitioner.errors import ShardzeroError
 
 # Realistic sizes for the table, per family.
 TABLE_MODELS = ("mlp:large", "gpt:1.3b", "gpt:6.7b", "bert:large", "vit:large", "resnet:50",
@@ -40,42 +39,32 @@ def evaluate_model(spec: str, mesh, hardware, order: Sequence[str] | None = None
                    strategies: Sequence[str] | None = None,
                    progress: Callable[[str], None] | None = None) -> list[Entry]:
   """Every expert strategy of one model on `mesh` (a `Mesh` or "batch=8,model=4")."""
-  from partitioner import apply, trace
-  from partitioner.cost import load_hardware, simulate
-  from partitioner.mesh import Mesh
-  mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
-  hardware = load_hardware(hardware)
+  from partitioner import trace
   family, _ = parse(spec)
   workload = load(spec, abstract=True)
   program = trace(workload.fn, *workload.args)
   n_params = parameter_count(workload.args[0])
-  schedules = experts(family.name, mesh.names)
-  if strategies is not None:
-    schedules = {k: v for k, v in schedules.items() if k in strategies}
+  results = evaluate_experts(program, mesh, hardware, family.name, order=order,
+                             strategies=strategies,
+                             progress=progress and (lambda name: progress(f"{spec} {name}")))
   entries = []
-  for name, schedule in schedules.items():
-    if progress:
-      progress(f"{spec} {name}")
-    try:
-      report = simulate(apply(program, mesh, schedule), hardware, order)
-    except ShardzeroError as e:
-      entries.append(Entry(spec, family.name, n_params, name, schedule, None, None, None, None,
-                           None, None, str(e)))
-      continue
-    entries.append(Entry(spec, family.name, n_params, name, schedule, report.step_time_s,
-                         report.compute_s, report.comm_s, report.exposed_comm_s,
-                         report.peak_memory_bytes, report.fits))
+  for r in results:
+    c = r.cost
+    entries.append(Entry(spec, family.name, n_params, r.name, r.schedule,
+                         *((c.step_time_s, c.compute_s, c.comm_s, c.exposed_comm_s,
+                            c.peak_memory_bytes, r.fits) if c is not None else (None,) * 6),
+                         r.error))
   return mark_best(entries)
 
 
 def mark_best(entries: list[Entry]) -> list[Entry]:
-  """Marks, per model, the fastest strategy that fits (the fastest overall if none fits)."""
+  """Marks, per model, its best strategy (`corpus.experts.preference`)."""
   out = list(entries)
   for model in dict.fromkeys(e.model for e in entries):
     ran = [i for i, e in enumerate(out) if e.model == model and e.step_time_s is not None]
-    fitting = [i for i in ran if out[i].fits] or ran
-    if fitting:
-      i = min(fitting, key=lambda i: out[i].step_time_s)
+    if ran:
+      i = min(ran, key=lambda i: preference(out[i].step_time_s, out[i].peak_memory_bytes,
+                                            out[i].fits))
       out[i] = out[i]._replace(best=True)
   return out
 

@@ -149,21 +149,12 @@ def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
 
 
 def tile_problem(state: ShardingState, point: DecisionPoint, dim: int, axis: str) -> str | None:
-  """Why tiling `dim` of a decision point over `axis` is not allowed now (None if it is)."""
-  program, size = state.program, state.sizes[axis]
+  """Why tiling `dim` of a decision point over `axis` is not allowed now (None if it is): the
+  partitioner's own check (`ShardingState.can_tile`) on each member and its updated outputs,
+  which the tile tactic shards with it."""
   for m in point.members:
-    for vid in (m,) + R.aliased_outputs(program, m):
-      dims = state.dims[vid]
-      for d, axes in enumerate(dims):
-        if axis in axes:
-          return (f"{program.name(vid)} is already sharded over {axis!r}"
-                  + ("" if d == dim else f" on dimension {d}"))
-      if axis in state.forbidden.get(vid, ()):
-        return f"an earlier tactic keeps {program.name(vid)} replicated over {axis!r}"
-      count = size
-      for a in dims[dim]:
-        count *= state.sizes[a]
-      if point.shape[dim] % count:
-        return (f"dimension {dim} of {program.name(vid)} ({point.shape[dim]}) does not divide "
-                f"by {count}")
+    for vid in (m,) + R.aliased_outputs(state.program, m):
+      why = state.can_tile(vid, dim, (axis,))
+      if why is not None:
+        return why
   return None

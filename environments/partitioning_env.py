@@ -17,13 +17,10 @@ agents plan with) and repeated episodes re-simulate nothing they have seen.
 
 from __future__ import annotations
 
-import array
 import collections
 import copy
 import dataclasses
-import functools
-import random
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import dm_env
 import numpy as np
@@ -32,7 +29,8 @@ from dm_env import specs
 from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
                                   decision_points, tile_problem)
 from environments.observations import Sizes, StaticGraph, dynamic_features, observation_spec
-from environments.tasks import Task, TaskDistribution, folded_program, load_program
+from environments.states import StateCache, StateInfo, ZobristHash
+from environments.tasks import TASKS, Task, TaskDistribution, folded_program, load_program
 from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram
@@ -42,21 +40,6 @@ from partitioner.tactics import Tile, ZeRO
 
 class InvalidActionError(ShardzeroError):
   """An action that is out of range or masked in the current state."""
-
-
-_MASK64 = (1 << 64) - 1
-
-
-class StateInfo(NamedTuple):
-  """One partitioning state of a task, with what was derived from it."""
-  pp: PartitionedProgram
-  cost: object                     # CostReport
-  mask: np.ndarray                 # legal actions (bool, padded)
-  sharding: np.ndarray             # node sharding features
-  problems: dict                   # action index -> why it is masked (filled on demand)
-  key: int                         # equal for equal partitioning states (transpositions)
-  layout: int                      # sum of the values' Zobrist terms, updated per step
-  terms: array.array               # per value, its Zobrist term
 
 
 class TaskContext:
@@ -110,24 +93,17 @@ class TaskContext:
     # Per manual tactic but ZeRO: the values whose sharding its legality depends on.
     self._footprint = {i: fp for i, fp in self.graph.footprints.items()
                        if self.actions[i].kind != "ZeRO"}
-    self._zobrist: dict[tuple, int] = {}   # (value, layout_id) -> its random 64-bit term
-    self._random = random.Random(0)
-    self._cache: collections.OrderedDict = collections.OrderedDict()
-    self.cache_size = cache_size
+    self._hash = ZobristHash()
+    self.states = StateCache(cache_size)
     self.root = self._make(start if start is not None else PartitionedProgram(program, mesh), None)
 
   # ---------------------------------------------------------------------------------- states
   def state(self, history: tuple[int, ...], parent: StateInfo) -> StateInfo:
     """The state after `history` (whose last action is applied to `parent`)."""
-    info = self._cache.get(history)
-    if info is not None:
-      self._cache.move_to_end(history)
-      return info
-    action = self.actions[history[-1]]
-    info = self._make(parent.pp.apply(action.tactic), parent)
-    self._cache[history] = info
-    if len(self._cache) > self.cache_size:
-      self._cache.popitem(last=False)
+    info = self.states.get(history)
+    if info is None:
+      info = self._make(parent.pp.apply(self.actions[history[-1]].tactic), parent)
+      self.states.put(history, info)
     return info
 
   def _make(self, pp: PartitionedProgram, parent: StateInfo | None) -> StateInfo:
@@ -144,32 +120,12 @@ class TaskContext:
         for v in changed]
     layout_ids = state.layout_ids
     self.graph.sharding_rows(dims, layout_ids, changed, decided, sharding)
-    # A Zobrist sum over values, so a step rehashes only the values it changed.
-    zobrist, term = self._zobrist, self._term
-    if parent is None:
-      terms = array.array("Q", (term((v, i)) for v, i in enumerate(layout_ids)))
-      layout = sum(terms) & _MASK64
-    else:
-      terms, layout = array.array("Q", parent.terms), parent.layout
-      for v in changed:
-        new = zobrist.get((v, layout_ids[v])) or term((v, layout_ids[v]))
-        layout += new - terms[v]
-        terms[v] = new
-      layout &= _MASK64
+    terms, layout = (self._hash.root(layout_ids) if parent is None else
+                     self._hash.step(parent.terms, parent.layout, layout_ids, changed))
     key = hash((layout, tuple(sorted(state.forbidden.items())),
                 frozenset(t for t in pp.schedule if not isinstance(t, Tile))))
     return StateInfo(pp, self.simulator(pp), self._mask(pp, parent), sharding, {}, key, layout,
                      terms)
-
-  def _term(self, key: tuple) -> int:
-    """Value `v` sharded as its dims (`key` = (v, their layout_id)), as a random 64-bit number.
-    Random, not Python's hash: tuple hashes are nearly additive in their items, so a sum of
-    them would cancel `v` out and the same tile on two values of one shape would give equal
-    keys."""
-    term = self._zobrist.get(key)
-    if term is None:
-      term = self._zobrist[key] = self._random.getrandbits(64)
-    return term
 
   def _mask(self, pp: PartitionedProgram, parent: StateInfo | None) -> np.ndarray:
     """The legal actions. A tile's legality depends on its members' shardings only, and a
@@ -238,21 +194,8 @@ class TaskContext:
 
 
 def task_context(task: Task, pad_to: Sizes | None = None, fold: bool = True) -> TaskContext:
-  """The shared context of a task, with its cached states. Enough are kept for every task of
-  a training distribution (an actor that rebuilt them would lose the states its searches
-  revisit), and the budgets of one task share one context."""
-  return _task_context(task, pad_to, fold)
-
-
-@functools.lru_cache(maxsize=64)
-def _task_context(task: Task, pad_to: Sizes | None, fold: bool) -> TaskContext:
-  if task.memory_budget is not None:
-    return _task_context(dataclasses.replace(task, memory_budget=None), pad_to,
-                         fold).with_budget(task)
-  return TaskContext(task, pad_to, fold=fold)
-
-
-task_context.cache_clear = _task_context.cache_clear   # as if task_context were the lru_cache
+  """The shared context of a task, with its cached states (`environments.tasks.TASKS`)."""
+  return TASKS.context(task, pad_to, fold)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,8 +279,7 @@ class PartitioningEnv(dm_env.Environment):
   def clone(self) -> "PartitioningEnv":
     """An independent copy in the same state (it shares the task's cached states)."""
     new = copy.copy(self)
-    new._rng = np.random.default_rng()
-    new._rng.bit_generator.state = self._rng.bit_generator.state
+    new._rng = copy.deepcopy(self._rng)   # the same draws from here on, independently
     return new
 
   def restart_clone(self) -> "PartitioningEnv":

@@ -10,12 +10,12 @@ dominate: such tasks teach nothing but penalties).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from typing import Sequence
 
 import numpy as np
 
+from environments.caching import LRU
 from partitioner.errors import ShardzeroError, WorkloadError
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -54,9 +54,8 @@ class Task:
     return f"{self.model} on {self.mesh} ({self.hardware}{budget})"
 
 
-@functools.lru_cache(maxsize=32)
-def load_program(model: str):
-  """The traced training step of a model (abstract arguments), shared by all its tasks."""
+def _trace(model: str):
+  """The traced training step of a model (abstract arguments)."""
   import corpus
   from partitioner import trace
   workload = corpus.load(model, abstract=True)
@@ -66,8 +65,7 @@ def load_program(model: str):
 FOLD_TOLERANCE = 0.01   # largest relative error of a folded step time or peak memory
 
 
-@functools.lru_cache(maxsize=32)
-def folded_program(task: Task):
+def _fold(task: Task):
   """A `partitioner.folding.Folding` for a task whose corpus model is deeper than three
   layers: its traces at two and three layers. None for other models, for stacks that do not
   fold, when the folded program has other actions, and when the folded step time or peak
@@ -77,9 +75,9 @@ def folded_program(task: Task):
   depth = getattr(corpus.parse(task.model)[1], "layers", 0) if family in corpus.FAMILIES else 0
   if depth <= 3:
     return None
+  from corpus.experts import evaluate_experts
   from environments.actions import action_space, decision_points
-  from partitioner import apply
-  from partitioner.cost import Simulator, load_hardware, simulate
+  from partitioner.cost import Simulator, load_hardware
   from partitioner.folding import fold
   from partitioner.mesh import Mesh
   folding = fold(load_program(f"{family}:{rest},layers=2"),
@@ -90,29 +88,26 @@ def folded_program(task: Task):
   names = lambda p: [str(a) for a in action_space(p, mesh, decision_points(p))]
   if names(folding.program) != names(whole):
     return None
-  try:
-    schedules = corpus.experts(family, mesh.names).values()
-  except ShardzeroError:   # nothing to check the folding against
-    return None
   # The check is of the folding, so collectives are not combined here: buckets that cross
   # layers are only estimated on a folded program (within about 2% of the deep program's step
   # time on the GPT, T5 and SSM experts at 64 to 1024 devices).
   hardware = load_hardware(task.hardware).combining(0)
-  simulator = Simulator(folding.program, mesh, hardware, folding=folding)
-  for schedule in schedules:
-    try:
-      folded, exact = simulator(apply(folding.program, mesh, schedule)), simulate(
-          apply(whole, mesh, schedule), hardware)
-    except ShardzeroError:
+  try:
+    folded = evaluate_experts(folding.program, mesh, hardware, family,
+                              simulate=Simulator(folding.program, mesh, hardware, folding=folding))
+    exact = evaluate_experts(whole, mesh, hardware, family)
+  except ShardzeroError:   # nothing to check the folding against
+    return None
+  for f, e in zip(folded, exact):
+    if f.cost is None or e.cost is None:
       continue
-    if (abs(folded.step_time_s / exact.step_time_s - 1) > FOLD_TOLERANCE or
-        abs(folded.peak_memory_bytes / exact.peak_memory_bytes - 1) > FOLD_TOLERANCE):
+    if (abs(f.cost.step_time_s / e.cost.step_time_s - 1) > FOLD_TOLERANCE or
+        abs(f.cost.peak_memory_bytes / e.cost.peak_memory_bytes - 1) > FOLD_TOLERANCE):
       return None
   return folding
 
 
-@functools.lru_cache(maxsize=256)
-def data_parallel_peak(task: Task) -> int:
+def _data_parallel_peak(task: Task) -> int:
   """Peak bytes per device of pure data parallelism over every axis that divides the batch
   (the unpartitioned program's when none does)."""
   from partitioner import apply
@@ -128,26 +123,77 @@ def data_parallel_peak(task: Task) -> int:
   return simulate(pp, task.hardware).peak_memory_bytes
 
 
-@functools.lru_cache(maxsize=256)
-def smallest_expert_peak(task: Task) -> int | None:
+def _smallest_expert_peak(task: Task) -> int | None:
   """The lowest peak bytes per device among the family's expert strategies (None for a model
   without expert strategies)."""
-  from corpus.experts import experts
-  from partitioner import apply
-  from partitioner.cost import simulate
-  from partitioner.mesh import Mesh
-  program, mesh = load_program(task.model), Mesh.parse(task.mesh)
+  from corpus.experts import evaluate_experts
   try:
-    schedules = experts(task.model.partition(":")[0], mesh.names)
+    results = evaluate_experts(load_program(task.model), task.mesh, task.hardware,
+                               task.model.partition(":")[0])
   except WorkloadError:
     return None
-  peaks = []
-  for schedule in schedules.values():
-    try:
-      peaks.append(simulate(apply(program, mesh).apply(schedule), task.hardware).peak_memory_bytes)
-    except ShardzeroError:
-      pass
-  return min(peaks, default=None)
+  return min((r.cost.peak_memory_bytes for r in results if r.cost is not None), default=None)
+
+
+class TaskCache:
+  """What the tasks of a process share, each kept for the most recently used: traced programs
+  (by model), foldings (by task), the peaks tight budgets are made from, and task contexts
+  (their cached states, by task, padding and folding)."""
+
+  def __init__(self, programs: int = 32, peaks: int = 256, contexts: int = 64):
+    self.programs = LRU(programs)
+    self.foldings = LRU(programs)
+    self.peaks = LRU(peaks)
+    self.contexts = LRU(contexts)
+
+  def program(self, model: str):
+    return self.programs.get_or_make(model, lambda: _trace(model))
+
+  def folding(self, task: Task):
+    return self.foldings.get_or_make(task, lambda: _fold(task))
+
+  def data_parallel_peak(self, task: Task) -> int:
+    return self.peaks.get_or_make(("data", task), lambda: _data_parallel_peak(task))
+
+  def smallest_expert_peak(self, task: Task) -> int | None:
+    return self.peaks.get_or_make(("expert", task), lambda: _smallest_expert_peak(task))
+
+  def context(self, task: Task, pad_to=None, fold: bool = True):
+    """The shared `TaskContext` of a task. The budgets of one task share one context (the
+    budget enters only the reward and the observation)."""
+    from environments.partitioning_env import TaskContext
+    if task.memory_budget is not None:
+      return self.context(dataclasses.replace(task, memory_budget=None), pad_to,
+                          fold).with_budget(task)
+    return self.contexts.get_or_make((task, pad_to, fold),
+                                     lambda: TaskContext(task, pad_to, fold=fold))
+
+  def clear(self) -> None:
+    for cache in (self.programs, self.foldings, self.peaks, self.contexts):
+      cache.clear()
+
+
+# The process's task cache: enough for every task of a training distribution (an actor that
+# rebuilt its contexts would lose the states its searches revisit).
+TASKS = TaskCache()
+
+
+def load_program(model: str):
+  """The traced training step of a model (abstract arguments), shared by all its tasks."""
+  return TASKS.program(model)
+
+
+def folded_program(task: Task):
+  """`TASKS.folding(task)`: see `_fold`."""
+  return TASKS.folding(task)
+
+
+def data_parallel_peak(task: Task) -> int:
+  return TASKS.data_parallel_peak(task)
+
+
+def smallest_expert_peak(task: Task) -> int | None:
+  return TASKS.smallest_expert_peak(task)
 
 
 def tight_budget(task: Task, fraction: float) -> int:

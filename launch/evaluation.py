@@ -298,13 +298,14 @@ class ResultsStore:
     self._done |= {self.key(r) for r in rows if "error" not in r}
 
   def best_known(self) -> dict[str, float]:
-    """Per task: the fastest step time that fits, over everything stored (or the fastest at
-    all where nothing fits)."""
-    best: dict[str, tuple[bool, float]] = {}
+    """Per task: the step time of the best result stored (`corpus.experts.preference`: the
+    fastest that fits, else the one closest to fitting)."""
+    from corpus.experts import preference
+    best: dict[str, tuple] = {}
     for r in self.rows:
       if "error" in r or not costed_now(r["version"]):   # costed by another model
         continue
-      cand = (not r["fits"], r["step_time_s"])
+      cand = (preference(r["step_time_s"], r["peak_memory_bytes"], r["fits"]), r["step_time_s"])
       if r["task"] not in best or cand < best[r["task"]]:
         best[r["task"]] = cand
     return {k: v[1] for k, v in best.items()}

@@ -6,7 +6,7 @@ import argparse
 
 from launch import report
 from launch.partition_command import _mesh_size
-from launch.search_command import _cost_dict, _print
+from launch.search_command import _print, strategy_result
 
 HELP = "propose a partitioning strategy with a trained policy"
 
@@ -76,21 +76,11 @@ def run(args) -> int:
   ctx = env.context
   found, cost = ctx.unfolded(env.partitioned), env.exact_cost
   expert = best_expert(evaluate_experts(env.restart_clone())) if is_corpus else None
-  result = {
-      "model": args.model, "mesh": dict(ctx.mesh.axes), "hardware": ctx.hardware.name,
-      "agent": f"policy ({args.search})", "policy": args.policy, "policy_version": version,
-      "schedule": found.strategy, "tactics": [str(t) for t in found.schedule],
-      "cost": _cost_dict(cost, ctx.budget),
-      "unpartitioned_step_time_s": env.restart_clone().exact_cost.step_time_s,
-      "score": env.score(),
-      "expert": None if expert is None else {
-          "name": expert.name, "schedule": expert.schedule,
-          "cost": _cost_dict(expert.cost, ctx.budget)},
-      "cost_ratio_to_expert": None if expert is None else
-          cost.step_time_s / expert.cost.step_time_s,
-      "search_time_s": policy_s, "policy_time_s": policy_s, "simulations": simulations,
-      "actions": len(ctx.actions), "decision_points": len(ctx.points),
-  }
+  result = strategy_result(env, args.model, f"policy ({args.search})", expert, policy_s,
+                           simulations)
+  result.update({"policy": args.policy, "policy_version": version, "policy_time_s": policy_s,
+                 "cost_ratio_to_expert": None if expert is None else
+                 cost.step_time_s / expert.cost.step_time_s})
   if args.verify:
     from partitioner.verify import verify
     workload = corpus.load(args.model, abstract=False)

@@ -62,6 +62,26 @@ def _cost_dict(cost, budget) -> dict:
           "within_budget": cost.peak_memory_bytes <= budget}
 
 
+def strategy_result(env, model: str, agent: str, expert, search_s: float,
+                    simulations: int) -> dict:
+  """What `search` and `propose` report (and write as JSON) for the strategy an episode of
+  `env` found, next to the best expert's (None for a model without experts)."""
+  ctx = env.context
+  found, cost = ctx.unfolded(env.partitioned), env.exact_cost
+  return {
+      "model": model, "mesh": dict(ctx.mesh.axes), "hardware": ctx.hardware.name,
+      "agent": agent, "schedule": found.strategy, "tactics": [str(t) for t in found.schedule],
+      "cost": _cost_dict(cost, ctx.budget),
+      "unpartitioned_step_time_s": env.restart_clone().exact_cost.step_time_s,
+      "score": env.score(),
+      "expert": None if expert is None else {
+          "name": expert.name, "schedule": expert.schedule,
+          "cost": _cost_dict(expert.cost, ctx.budget)},
+      "search_time_s": search_s, "simulations": simulations,
+      "actions": len(ctx.actions), "decision_points": len(ctx.points),
+  }
+
+
 def make_actor(name: str, env, args):
   from agents.search.baselines import GreedyActor, RandomActor
   from agents.search.beam import BeamActor
@@ -109,7 +129,7 @@ def run(args) -> int:
     record = EnvironmentLoop(env, actor, logger=InMemoryLogger()).run_episode()
     search_s = time.perf_counter() - start
     episode_return = float(record["episode_return"])
-    found, cost = env.context.unfolded(env.partitioned), env.exact_cost
+    found = env.context.unfolded(env.partitioned)
     expert = None
     if args.model.partition(":")[0] in corpus.FAMILIES:
       if status:
@@ -119,20 +139,9 @@ def run(args) -> int:
     if status:
       status.stop()
   ctx = env.context
-  result = {
-      "model": args.model, "mesh": dict(ctx.mesh.axes), "hardware": ctx.hardware.name,
-      "agent": args.agent, "schedule": found.strategy,
-      "tactics": [str(t) for t in found.schedule],
-      "cost": _cost_dict(cost, ctx.budget),
-      "unpartitioned_step_time_s": env.restart_clone().exact_cost.step_time_s,
-      "score": env.score(), "episode_return": episode_return,
-      "expert": None if expert is None else {
-          "name": expert.name, "schedule": expert.schedule,
-          "cost": _cost_dict(expert.cost, ctx.budget)},
-      "search_time_s": search_s,
-      "simulations": getattr(actor, "simulations", len(env.history)),
-      "actions": len(ctx.actions), "decision_points": len(ctx.points),
-  }
+  result = strategy_result(env, args.model, args.agent, expert, search_s,
+                           getattr(actor, "simulations", len(env.history)))
+  result["episode_return"] = episode_return
   if args.json:
     report.write_json(result, args.json)
     if args.json == "-":

@@ -3,13 +3,13 @@ parameters of its checkpoint. Playing it is `agents.decoding`."""
 
 from __future__ import annotations
 
-import collections
 import os
 
 import jax
 import numpy as np
 
 from agents.decoding import TrainedPolicy
+from environments.caching import LRU
 from environments.observations import OBSERVATION_VERSION
 from learners import checkpointing
 from learners.run_config import CONFIG, RunConfig
@@ -37,27 +37,19 @@ def load_policy(run_dir: str) -> TrainedPolicy:
 
 
 class PolicyCache:
-  """Loaded policies by run directory, at most `size` of them (least recently used dropped); a
-  policy whose checkpoint changed since it was loaded is loaded again."""
+  """Loaded policies by run directory, the `size` most recently used kept; a policy whose
+  checkpoint changed since it was loaded is loaded again."""
 
   def __init__(self, size: int = 4):
-    self.size = size
-    self._loaded: collections.OrderedDict[str, tuple[float, TrainedPolicy]] = \
-        collections.OrderedDict()
+    self._loaded: LRU[tuple[float, TrainedPolicy]] = LRU(size)
 
   def __call__(self, run_dir: str) -> TrainedPolicy:
     path = os.path.join(run_dir, checkpointing.FILENAME)
     stamp = os.path.getmtime(path) if os.path.exists(path) else 0.0
     hit = self._loaded.get(run_dir)
-    if hit is not None and hit[0] == stamp:
-      self._loaded.move_to_end(run_dir)
-      return hit[1]
-    policy = load_policy(run_dir)
-    self._loaded[run_dir] = (stamp, policy)
-    self._loaded.move_to_end(run_dir)
-    while len(self._loaded) > self.size:
-      self._loaded.popitem(last=False)
-    return policy
+    if hit is None or hit[0] != stamp:
+      hit = self._loaded.put(run_dir, (stamp, load_policy(run_dir)))
+    return hit[1]
 
   def clear(self) -> None:
     self._loaded.clear()

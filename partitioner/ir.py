@@ -129,6 +129,22 @@ def _glob_regex(pattern: str) -> re.Pattern:
   return re.compile("".join(out) + r"\Z")
 
 
+def per_program(fn):
+  """Memoises `fn(program, *args)` on the program itself: what is derived from a program lives
+  and dies with it, where a process-wide cache would keep programs alive."""
+  name = fn.__qualname__
+
+  @functools.wraps(fn)
+  def memoised(program: "Program", *args):
+    key = (name, *args)
+    derived = program.derived
+    if key not in derived:
+      derived[key] = fn(program, *args)
+    return derived[key]
+
+  return memoised
+
+
 class Program:
   """A traced function: values, ops in program order, named inputs and outputs."""
 
@@ -158,6 +174,7 @@ class Program:
     for v, n in zip(self.inputs, self.input_names):
       self._by_name[n] = v
     self._matches: dict[str, tuple[int, ...]] = {}   # pattern -> its inputs and outputs
+    self.derived: dict = {}   # what `per_program` functions computed from this program
 
   # ----------------------------------------------------------------------------- structure
   @functools.cached_property

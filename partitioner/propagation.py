@@ -32,19 +32,6 @@ UNSHARDED = 1 << 30  # priority of a value no tactic has reached
 MEMO_LIMIT = 1 << 18  # remembered op outcomes per program and mesh
 
 
-_LAYOUT_IDS: dict = {}
-
-
-def layout_id(dims: Dims) -> int:
-  """A small integer naming `dims` (the same in every state and program; there are few distinct
-  layouts): memo keys built from these hash in one step, where nested tuples of axis names are
-  rehashed item by item."""
-  i = _LAYOUT_IDS.get(dims)
-  if i is None:
-    i = _LAYOUT_IDS[dims] = len(_LAYOUT_IDS)
-  return i
-
-
 def priority_order(prios):
   """Priorities as a merge sees them: only their order matters (and which are unsharded), so
   the same tuple with dense ranks lets states reached by different schedules share outcomes."""
@@ -83,6 +70,16 @@ class FactorTable:
     self.producers = [v.producer for v in program.values]
     self._classes: dict[tuple, int] = {}
     self._memos: dict[Mesh, dict] = {}
+    self._layouts: dict[Dims, int] = {}
+
+  def layout_id(self, dims: Dims) -> int:
+    """A small integer naming `dims` in every state of this program (there are few distinct
+    layouts): memo keys built from these hash in one step, where nested tuples of axis names
+    are rehashed item by item."""
+    i = self._layouts.get(dims)
+    if i is None:
+      i = self._layouts[dims] = len(self._layouts)
+    return i
 
   def memo(self, mesh: Mesh) -> dict:
     """Per mesh: op outcomes keyed by (op class, shardings of its tensors, ...); emptied when
@@ -160,7 +157,7 @@ class ShardingState:
   """Per-value shardings with their origins and the axes tactics forbade. Cheap to copy.
 
   `prio[v]` is the earliest phase (one tile-then-propagate round of a tactic) that sharded v;
-  merges let earlier phases win. `layout_ids[v]` is `layout_id(dims[v])`, what memo keys use.
+  merges let earlier phases win. `layout_ids[v]` is `table.layout_id(dims[v])`, what memo keys use.
   `changed` holds the values whose sharding or priority changed since the state was copied, so
   what is derived from the copy's source can be updated.
   """
@@ -171,7 +168,7 @@ class ShardingState:
     self.sizes = mesh.sizes
     self.table = factor_table(program)
     self.dims: list[Dims] = [((),) * v.rank for v in program.values]
-    self.layout_ids: list[int] = [layout_id(d) for d in self.dims]
+    self.layout_ids: list[int] = [self.table.layout_id(d) for d in self.dims]
     self.prio: list[int] = [UNSHARDED] * len(program.values)
     self.forbidden: dict[int, frozenset[str]] = {}
     self.origin: dict[tuple[int, str], Origin] = {}
@@ -223,44 +220,60 @@ class ShardingState:
     return lines
 
   # --------------------------------------------------------------------------- tactic edits
-  def tile(self, vid: int, dim: int, axes: Sequence[str], tactic: int) -> bool:
-    """Adds `axes` (minor to what the dimension has) to `dim` of a value. Raises on bad input."""
+  def can_tile(self, vid: int, dim: int, axes: Sequence[str]) -> str | None:
+    """Why tiling `dim` of a value over `axes` cannot be done now: the error `tile` would
+    raise, or that the value has those axes already (None: `tile` would change it). What the
+    environment masks a tile action by."""
+    dim, new, problem = self._tile_plan(vid, dim, tuple(axes))
+    if problem is None and not new:
+      problem = (f"{self.program.name(vid)} is already sharded over "
+                 f"{', '.join(map(repr, axes))} on dimension {dim}")
+    return problem
+
+  def _tile_plan(self, vid: int, dim: int, axes: tuple[str, ...]):
+    """(the dimension, the axes tiling would add to it, why it cannot: None if it can)."""
     v = self.program.values[vid]
     name = lambda: self.program.name(vid)   # for errors only: a search tiles a lot
     if not -v.rank <= dim < v.rank:
-      raise ShardingError(f"{name()} has rank {v.rank}; dimension {dim} does not exist")
+      return dim, (), f"{name()} has rank {v.rank}; dimension {dim} does not exist"
     dim %= v.rank
     for a in axes:
       self.mesh.check_axis(a)
     cur = self.dims[vid]
     have = cur[dim]
-    axes = tuple(axes)
     if axes[: len(have)] == have:
       new = axes[len(have):]
     elif all(a in have for a in axes):
-      return False
+      return dim, (), None
     else:
       new = tuple(a for a in axes if a not in have)
-    if not new:
-      return False
     for a in new:
       for d, other in enumerate(cur):
         if a in other:
           o = self.origin.get((vid, a))
           by = f" by tactic #{o.tactic}" if o else ""
-          raise ShardingError(
-              f"{name()}: axis {a!r} already shards dimension {d}{by}; it cannot also shard "
-              f"dimension {dim}")
+          return dim, new, (f"{name()} is already sharded over {a!r} on dimension {d}{by}; "
+                            f"it cannot also shard dimension {dim}")
       if a in self.forbidden.get(vid, ()):
-        raise ShardingError(
-            f"{name()}: axis {a!r} was forbidden on this value by an earlier tactic")
+        return dim, new, f"an earlier tactic keeps {name()} replicated over {a!r}"
     count = 1
     for a in have + new:
       count *= self.sizes[a]
     if v.shape[dim] % count:
-      raise ShardingError(
-          f"{name()}: dimension {dim} of size {v.shape[dim]} is not divisible by "
-          f"{'x'.join(have + new)}={count}")
+      return dim, new, (f"{name()}: dimension {dim} of size {v.shape[dim]} is not divisible by "
+                        f"{'x'.join(have + new)}={count}")
+    return dim, new, None
+
+  def tile(self, vid: int, dim: int, axes: Sequence[str], tactic: int) -> bool:
+    """Adds `axes` (minor to what the dimension has) to `dim` of a value; False where it has
+    them already. Raises on bad input."""
+    dim, new, problem = self._tile_plan(vid, dim, tuple(axes))
+    if problem is not None:
+      raise ShardingError(problem)
+    if not new:
+      return False
+    cur = self.dims[vid]
+    have = cur[dim]
     dims = list(cur)
     dims[dim] = have + new
     self._set(vid, tuple(dims), new, Origin(tactic, None))
@@ -280,7 +293,7 @@ class ShardingState:
 
   def _set(self, vid: int, dims: Dims, added: Axes, origin: Origin) -> None:
     self.dims[vid] = dims
-    self.layout_ids[vid] = layout_id(dims)
+    self.layout_ids[vid] = self.table.layout_id(dims)
     self.changed.add(vid)
     for a in added:
       self.origin[(vid, a)] = origin
@@ -372,7 +385,7 @@ class ShardingState:
             gained += add
         if new is not None:
           now[v] = tuple(new)
-          updates.append((k, now[v], gained, layout_id(now[v])))
+          updates.append((k, now[v], gained, self.table.layout_id(now[v])))
     return Transfer(tuple(conflicts), tuple(updates))
 
   @property

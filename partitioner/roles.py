@@ -14,14 +14,13 @@ output factor through the forward pass until another weight contracts it.
 from __future__ import annotations
 
 import collections
-import functools
 import re
 from typing import NamedTuple
 
 import numpy as np
 
 from partitioner.factors import PASS, REPL, SUM, split_dim
-from partitioner.ir import Program
+from partitioner.ir import Program, per_program
 from partitioner.propagation import factor_table
 from partitioner.rules.elementwise import NARY, UNARY
 
@@ -66,7 +65,7 @@ def _ancestors(program: Program, targets) -> set[int]:
   return seen
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def roles(program: Program) -> Roles:
   state = program.aliased
   loss = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
@@ -116,7 +115,7 @@ def aliased_outputs(program: Program, vid: int) -> tuple[int, ...]:
   return program.aliased.get(vid, ())
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def _params_by_suffix(program: Program) -> dict[tuple[str, ...], tuple[int, ...]]:
   """Every path suffix of every parameter's name -> the parameters ending with it."""
   out: dict[tuple[str, ...], list[int]] = {}
@@ -143,7 +142,7 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
   return None
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def forward_ops(program: Program) -> frozenset[int]:
   """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on."""
   targets = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
@@ -153,7 +152,7 @@ def forward_ops(program: Program) -> frozenset[int]:
                    if (p := program.values[v].producer) is not None)
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def depends_on(program: Program, sources: tuple[int, ...]) -> frozenset[int]:
   """Values computed (transitively) from `sources`."""
   reached = set(sources)
@@ -195,7 +194,7 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
   return vid, dims
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def stacked_dims(program: Program) -> dict[int, int]:
   """Inputs stacked over a loop -> their loop dimension: layers (`hk.layer_stack`, `nn.scan`,
   `lax.scan` over a dict of weights) or micro-batches. Every forward-pass read takes one slice
@@ -238,7 +237,7 @@ class MegatronPair(NamedTuple):
   chunks: tuple = ()
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def megatron_pairs(program: Program, axis_size: int) -> tuple[MegatronPair, ...]:
   """Column/row weight pairs: a weight's output dimension that flows, through pass-through
   ops only (no reduction over it), into the contracting dimension of other weights."""
@@ -289,7 +288,7 @@ def megatron_pairs(program: Program, axis_size: int) -> tuple[MegatronPair, ...]
   return tuple(pairs)
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def matmul_weights(program: Program) -> tuple[int, ...]:
   """Parameters (rank 2 and up) that a forward-pass matmul reads."""
   params = frozenset(roles(program).params)
@@ -385,7 +384,7 @@ def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
   return rows
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def expert_weights(program: Program) -> tuple[tuple[int, int], ...]:
   """(parameter, expert dim) of weights that a forward-pass dot_general treats as a batch
   dimension: one weight slice per expert, as in `einsum("becd,edh->bech", x, w)`."""
@@ -407,7 +406,7 @@ def expert_weights(program: Program) -> tuple[tuple[int, int], ...]:
   return tuple(found)
 
 
-@functools.lru_cache(maxsize=64)
+@per_program
 def embedding_tables(program: Program) -> tuple[tuple[int, int], ...]:
   """(parameter, looked-up dim) of the forward pass's point-wise gathers from parameters."""
   params = frozenset(roles(program).params)

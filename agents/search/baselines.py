@@ -6,7 +6,7 @@ import numpy as np
 
 from agents.core import Actor
 from agents.search.planning import Plan, PlanningActor
-from environments import PartitioningEnv
+from environments.protocols import SearchEnvironment
 
 
 class RandomActor(Actor):
@@ -32,7 +32,7 @@ class GreedyActor(PlanningActor):
   """Takes the legal action whose next state scores best, while that improves the score;
   then finishes. Each decision simulates every legal action once."""
 
-  def plan(self, env: PartitioningEnv) -> Plan:
+  def plan(self, env: SearchEnvironment) -> Plan:
     current, best, best_score, sims = env.score(), None, None, 0
     for a in env.legal_actions():
       if a == env.finish_action:

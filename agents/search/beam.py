@@ -4,19 +4,19 @@ legal action, stop when `patience` depths in a row find nothing better or the bu
 from __future__ import annotations
 
 from agents.search.planning import Plan, PlanningActor, path_to
-from environments import PartitioningEnv
+from environments.protocols import SearchEnvironment
 
 
 class BeamActor(PlanningActor):
 
-  def __init__(self, environment: PartitioningEnv, width: int = 4, budget: int = 1000,
+  def __init__(self, environment: SearchEnvironment, width: int = 4, budget: int = 1000,
                patience: int = 2):
     super().__init__(environment)
     if width < 1 or budget < 1 or patience < 1:
       raise ValueError("width, budget and patience must be positive")
     self.width, self.budget, self.patience = width, budget, patience
 
-  def plan(self, env: PartitioningEnv) -> Plan:
+  def plan(self, env: SearchEnvironment) -> Plan:
     start = len(env.history)
     best, best_score = env, env.score()
     beam, seen, sims, stale = [env], {env.state_key}, 0, 0

@@ -6,62 +6,65 @@ import time
 from typing import NamedTuple
 
 from agents.search.planning import Plan, PlanningActor
-from environments import PartitioningEnv
+from corpus.experts import best as best_of
+from corpus.experts import evaluate_experts as evaluate_schedules
+from environments.protocols import SearchEnvironment
 from partitioner.errors import ShardzeroError, WorkloadError
 
 
 class ExpertResult(NamedTuple):
+  """An expert strategy as the environment plays it."""
   name: str
   schedule: str
   actions: tuple[int, ...]
-  cost: object | None          # CostReport; None when it does not apply
-  score: float | None
+  cost: object | None          # CostReport of the task's own program; None when it does not apply
+  score: float | None          # env.score() after its actions
   fits: bool | None            # within the task's memory budget
   error: str | None = None
 
 
-def evaluate_experts(env: PartitioningEnv) -> list[ExpertResult]:
-  """Every expert strategy of the task's model family, played from `env`'s current state in
-  a clone. Strategies with an action that is not legal are kept with the reason."""
-  from corpus.experts import experts
+def evaluate_experts(env: SearchEnvironment) -> list[ExpertResult]:
+  """Every expert strategy of the task's model family from `env`'s current state: costed by
+  `corpus.experts.evaluate_experts` on the task's own program, then played in a clone for
+  its actions and score. Strategies that do not apply, or with an action that is not legal
+  here, are kept with the reason."""
   from partitioner.tactics import parse_schedule
-  family = env.task.model.partition(":")[0]
+  ctx = env.context
+  start = ctx.unfolded(env.partitioned)
   try:
-    schedules = experts(family, env.context.mesh.names)
+    ran = evaluate_schedules(start.program, ctx.mesh, ctx.hardware,
+                             env.task.model.partition(":")[0], budget=ctx.budget, start=start)
   except WorkloadError:
     raise WorkloadError(f"the expert agent needs a corpus model; {env.task.model!r} has no "
                         "expert strategies") from None
   out = []
-  for name, schedule in schedules.items():
+  for r in ran:
+    if r.cost is None:
+      out.append(ExpertResult(r.name, r.schedule, (), None, None, None, r.error))
+      continue
     trial = env.clone()
     try:
-      actions = tuple(trial.action_index(str(t)) for t in parse_schedule(schedule))
+      actions = tuple(trial.action_index(str(t)) for t in parse_schedule(r.schedule))
       for a in actions:
         if trial.done:
           raise ShardzeroError("the episode ended before the schedule did")
         trial.step(a)
     except ShardzeroError as e:
-      out.append(ExpertResult(name, schedule, (), None, None, None, str(e)))
+      out.append(ExpertResult(r.name, r.schedule, (), None, None, None, str(e)))
       continue
-    cost = trial.exact_cost
-    out.append(ExpertResult(name, schedule, actions, cost, trial.score(),
-                            cost.peak_memory_bytes <= trial.context.budget))
+    out.append(ExpertResult(r.name, r.schedule, actions, r.cost, trial.score(), r.fits))
   return out
 
 
 def best_expert(results: list[ExpertResult]) -> ExpertResult | None:
-  """The fastest strategy within the budget; if none fits, the best scored."""
-  ran = [r for r in results if r.cost is not None]
-  fitting = [r for r in ran if r.fits]
-  if fitting:
-    return min(fitting, key=lambda r: r.cost.step_time_s)
-  return max(ran, key=lambda r: r.score, default=None)
+  """The best that applies, by the one rule (`corpus.experts.preference`)."""
+  return best_of(results)
 
 
 class ExpertActor(PlanningActor):
   """Plays the best expert strategy (by the simulator) for each episode's task."""
 
-  def plan(self, env: PartitioningEnv) -> Plan:
+  def plan(self, env: SearchEnvironment) -> Plan:
     start = time.perf_counter()
     results = evaluate_experts(env)
     best = best_expert(results)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from agents.search.planning import Plan, PlanningActor
-from environments import PartitioningEnv
+from environments.protocols import SearchEnvironment
 
 CANDIDATES = 32      # actions given a variable (see `_candidates`)
 POOL = 48            # actions whose pairs are costed (see `_round`)
@@ -61,13 +61,13 @@ class ILPActor(PlanningActor):
   simulator, as Alpa's does.
   """
 
-  def __init__(self, environment: PartitioningEnv, time_limit_s: float = 60.0,
+  def __init__(self, environment: SearchEnvironment, time_limit_s: float = 60.0,
                manual: bool = True, rounds: int = ROUNDS):
     super().__init__(environment)
     self.time_limit_s, self.manual, self.rounds = time_limit_s, manual, rounds
     self.solution: Solution | None = None
 
-  def plan(self, env: PartitioningEnv) -> Plan:
+  def plan(self, env: SearchEnvironment) -> Plan:
     self.solution = solve(env, self.time_limit_s, self.manual, self.rounds)
     for a in self.solution.actions:
       env.step(a)
@@ -99,20 +99,20 @@ def _memory(cost) -> float:
   return math.log(cost.peak_memory_bytes)
 
 
-def _after(env: PartitioningEnv, action: int) -> PartitioningEnv:
+def _after(env: SearchEnvironment, action: int) -> SearchEnvironment:
   trial = env.clone()
   trial.step(action)
   return trial
 
 
-def _standing(env: PartitioningEnv) -> tuple[bool, float]:
+def _standing(env: SearchEnvironment) -> tuple[bool, float]:
   """Orders states: fitting the budget first, then by step time (changes under NEGLIGIBLE
   are ties)."""
   return (not env.fits, round(math.log(env.cost.step_time_s) / NEGLIGIBLE))
 
 
 class _Round(NamedTuple):
-  env: PartitioningEnv        # after the round's actions
+  env: SearchEnvironment        # after the round's actions
   actions: tuple[int, ...]
   skipped: tuple[int, ...]
   objective: float            # log serial time predicted
@@ -126,7 +126,7 @@ class _Round(NamedTuple):
   solve_s: float
 
 
-def solve(env: PartitioningEnv, time_limit_s: float = 60.0, manual: bool = True,
+def solve(env: SearchEnvironment, time_limit_s: float = 60.0, manual: bool = True,
           rounds: int = ROUNDS) -> Solution:
   """The ILP of `env`'s task from its current state (`env` is not stepped), then up to
   `rounds - 1` more, each linearised around the state the previous one reached, while they
@@ -148,7 +148,7 @@ def solve(env: PartitioningEnv, time_limit_s: float = 60.0, manual: bool = True,
                   sum(r.solve_s for r in taken))
 
 
-def _round(env: PartitioningEnv, time_limit_s: float, manual: bool) -> _Round:
+def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
   start = time.perf_counter()
   ctx, budget = env.context, env.context.budget
   steps_left = env.config.max_steps - len(env.history)
@@ -216,7 +216,7 @@ def _round(env: PartitioningEnv, time_limit_s: float, manual: bool) -> _Round:
                 _serial(whole.cost), m0 + memory, status, gap, size, sims, build_s, solve_s)
 
 
-def _replay(env: PartitioningEnv, actions) -> tuple[PartitioningEnv, tuple[int, ...]]:
+def _replay(env: SearchEnvironment, actions) -> tuple[SearchEnvironment, tuple[int, ...]]:
   """`env` after `actions` in order, skipping those illegal when their turn comes."""
   trial, skipped = env.clone(), []
   for a in actions:

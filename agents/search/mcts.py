@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from agents.search.planning import Plan, PlanningActor, path_to
-from environments import PartitioningEnv
+from environments.protocols import SearchEnvironment
 from environments.observations import is_manual_tactic
 
 PriorFn = Callable[[dict], np.ndarray]
@@ -80,7 +80,7 @@ def improved_policy(node: _Node, value: float, c_visit: float = 50.0,
 class MCTSActor(PlanningActor):
   """Searches `budget` simulations from the state of each episode's first decision."""
 
-  def __init__(self, environment: PartitioningEnv, budget: int = 200, c_puct: float = 1.25,
+  def __init__(self, environment: SearchEnvironment, budget: int = 200, c_puct: float = 1.25,
                prior_fn: PriorFn | None = None, value_fn: ValueFn | None = None,
                tactic_weight: float = 4.0, seed: int = 0):
     super().__init__(environment)
@@ -92,7 +92,7 @@ class MCTSActor(PlanningActor):
     self._rng = np.random.default_rng(seed)
     self.table: dict[int, _Node] = {}
 
-  def _expand(self, env: PartitioningEnv, observation: dict) -> _Node:
+  def _expand(self, env: SearchEnvironment, observation: dict) -> _Node:
     legal = np.array([] if env.done else
                      [a for a in env.legal_actions() if a != env.finish_action], np.int64)
     prior = np.ones(len(legal))
@@ -114,7 +114,7 @@ class MCTSActor(PlanningActor):
     u = self.c_puct * node.prior * math.sqrt(node.total + 1) / (1 + node.visits)
     return int(np.argmax(np.where(node.closed, -np.inf, q + u)))
 
-  def search(self, env: PartitioningEnv):
+  def search(self, env: SearchEnvironment):
     """Runs the simulations from `env`'s state. Returns the root node (visit counts over its
     legal non-finish actions), the best-scoring state seen, its score and the simulations."""
     self.table = {}
@@ -152,7 +152,7 @@ class MCTSActor(PlanningActor):
         node.closed[k] = self.table[node.children[k]].exhausted
     return root, best, best_score, sims
 
-  def plan(self, env: PartitioningEnv) -> Plan:
+  def plan(self, env: SearchEnvironment) -> Plan:
     start = len(env.history)
     _, best, best_score, sims = self.search(env)
     return Plan(path_to(best, start), best_score, sims, 0.0)

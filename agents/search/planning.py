@@ -12,7 +12,7 @@ import time
 from typing import NamedTuple
 
 from agents.core import Actor
-from environments import PartitioningEnv
+from environments.protocols import SearchEnvironment
 
 
 class Plan(NamedTuple):
@@ -25,7 +25,7 @@ class Plan(NamedTuple):
 class PlanningActor(Actor):
   """Plans once per episode (at its first action) and plays the plan."""
 
-  def __init__(self, environment: PartitioningEnv):
+  def __init__(self, environment: SearchEnvironment):
     self._env = environment
     self._plan: list[int] = []
     self.last_plan: Plan | None = None
@@ -33,7 +33,7 @@ class PlanningActor(Actor):
     self.search_seconds = 0.0
 
   @abc.abstractmethod
-  def plan(self, env: PartitioningEnv) -> Plan:
+  def plan(self, env: SearchEnvironment) -> Plan:
     """The actions to take from `env`'s state (a clone the planner may step)."""
 
   def select_action(self, observation) -> int:
@@ -57,12 +57,12 @@ class PlanningActor(Actor):
     pass
 
 
-def path_to(env: PartitioningEnv, start: int) -> tuple[int, ...]:
+def path_to(env: SearchEnvironment, start: int) -> tuple[int, ...]:
   """The actions `env` took after its first `start` ones, then finish unless it is done."""
   return env.history[start:] + (() if env.done else (env.finish_action,))
 
 
-def play(env: PartitioningEnv, actions) -> float:
+def play(env: SearchEnvironment, actions) -> float:
   """Steps `env` through `actions`; returns the sum of rewards."""
   total = 0.0
   for a in actions:

@@ -9,14 +9,13 @@ boundary. A kernel takes max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import numpy as np
 
 from partitioner import roles as R
-from partitioner.ir import Program
+from partitioner.ir import Program, per_program
 from partitioner.rules.elementwise import NARY, UNARY
 
 _ELEMENTWISE = set(UNARY) | set(NARY)
@@ -127,7 +126,7 @@ class ProgramWork:
         if edges else (np.zeros(0, np.int64),) * 2
 
   @staticmethod
-  @functools.lru_cache(maxsize=8)
+  @per_program
   def of(program: Program) -> "ProgramWork":
     return ProgramWork(program)
 

@@ -17,6 +17,7 @@ from partitioner.cost.compute import _EFF, Divisors, ProgramWork
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.memory import MemoryReport, ProgramLiveness, memory
 from partitioner.cost.topology import Placement
+from partitioner.ir import per_program
 
 COMBINED_KINDS = ("all-reduce", "all-gather", "reduce-scatter")   # XLA has a combiner for each
 
@@ -482,7 +483,7 @@ class Simulator:
     return exposed
 
 
-@functools.lru_cache(maxsize=32)
+@per_program
 def _simulator(program, mesh, hardware, order, donate) -> Simulator:
   return Simulator(program, mesh, hardware, order, donate)
 

@@ -9,7 +9,6 @@ of thousands of devices are cheap.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -33,14 +32,20 @@ class Placement:
       raise MeshError(f"device order {','.join(order)} must name each mesh axis "
                       f"({','.join(mesh.names)}) once")
     self.mesh, self.hardware, self.order = mesh, hardware, order
+    self._groups: dict[tuple[str, ...], Group] = {}   # a mesh has few axis subsets
     sizes = mesh.sizes
     self.strides, stride = {}, 1
     for a in reversed(order):
       self.strides[a] = stride
       stride *= sizes[a]
 
-  @functools.lru_cache(maxsize=None)
   def group(self, axes: tuple[str, ...]) -> Group:
+    group = self._groups.get(axes)
+    if group is None:
+      group = self._groups[axes] = self._group(axes)
+    return group
+
+  def _group(self, axes: tuple[str, ...]) -> Group:
     sizes = self.mesh.sizes
     ids = np.zeros((), np.int64)
     for a in axes:

@@ -63,8 +63,7 @@ from partitioner.rules import loops  # noqa: E402,F401
 
 
 # Tracing turns every `scan` into straight-line code or a loop region (rules/loops.py), so only
-# `while` and `cond` meet this rule; "scan" stays registered because node-kind ids of trained
-# policies are numbered from these names (environments/observations.py).
+# `while` and `cond` meet this rule ("scan" names the loop region's ends).
 @factor_rule("scan", "while", "cond")
 def _region(op, program):
   """Region ops keep their bodies whole for now: correct, but replicated."""

@@ -21,16 +21,17 @@ def test_data_parallel_does_not_fit_gpt_6_7b_on_16_gib_devices_but_zero3_does():
   assert sum(e.best for e in entries.values()) == 1 and not entries["dp"].best
 
 
-def _entry(model, strategy, t, fits):
-  return reference.Entry(model, "gpt", 1, strategy, "", t, t, 0.0, 0.0, 1, fits)
+def _entry(model, strategy, t, fits, peak=1):
+  return reference.Entry(model, "gpt", 1, strategy, "", t, t, 0.0, 0.0, peak, fits)
 
 
-def test_best_is_the_fastest_that_fits_else_the_fastest():
+def test_best_is_the_fastest_that_fits_else_the_closest_to_fitting():
   entries = reference.mark_best([
       _entry("a", "fast-but-too-big", 1.0, False), _entry("a", "fits", 2.0, True),
       _entry("a", "slow", 3.0, True), _entry("b", "x", 5.0, False), _entry("b", "y", 4.0, False),
-      reference.Entry("b", "gpt", 1, "n/a", "", None, None, None, None, None, None, "no")])
-  assert [e.strategy for e in entries if e.best] == ["fits", "y"]
+      reference.Entry("b", "gpt", 1, "n/a", "", None, None, None, None, None, None, "no"),
+      _entry("d", "fast", 1.0, False, peak=10), _entry("d", "small", 2.0, False, peak=5)])
+  assert [e.strategy for e in entries if e.best] == ["fits", "y", "small"]
   assert reference.best(entries, "a").strategy == "fits"
   assert reference.best(entries, "c") is None
 

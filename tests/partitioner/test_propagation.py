@@ -46,7 +46,7 @@ def test_earlier_tactics_win_and_the_conflict_names_values_and_axes():
 
 def test_a_later_tactic_never_undoes_an_earlier_one():
   program = P.trace(mlp, *ARGS)
-  with pytest.raises(ShardingError, match=r"x: axis 'a' already shards dimension 0 by tactic #0"):
+  with pytest.raises(ShardingError, match=r"x is already sharded over 'a' on dimension 0 by tactic #0"):
     P.apply(program, "a=8", "Tile(x, 0, a); Tile(x, 1, a)")
   with pytest.raises(ShardingError, match="cannot keep it replicated over 'a'"):
     P.apply(program, "a=8", "Tile(x, 0, a); Replicate(x)")
@@ -157,3 +157,21 @@ def test_outcomes_are_shared_by_schedules_whose_priorities_differ_only_in_number
   cold = P.apply(P.trace(with_branch, *args), "a=2,b=2", schedule)
   assert shifted.state.dims == cold.state.dims
   assert shifted.collectives == cold.collectives
+
+
+def test_can_tile_says_what_tile_would_raise_and_refuses_no_ops():
+  """The legality check the environment masks tile actions by is the partitioner's own: it
+  gives the message `tile` raises, and a tile that would change nothing is refused too."""
+  program = P.trace(mlp, *ARGS)
+  state = P.apply(program, "a=8", "Tile(x, 0, a)").state.copy()
+  x, w2 = program.value("x").id, program.value("w2").id
+  for vid, dim in ((x, 1), (w2, 1), (x, 2)):
+    why = state.can_tile(vid, dim, ("a",))
+    with pytest.raises(ShardingError) as e:
+      state.copy().tile(vid, dim, ("a",), 1)
+    assert why == str(e.value)
+  assert "already sharded over 'a' on dimension 0" in state.can_tile(x, 0, ("a",))
+  assert not state.copy().tile(x, 0, ("a",), 1)
+  assert state.can_tile(w2, 0, ("a",)) is None and state.copy().tile(w2, 0, ("a",), 1)
+  state.forbid(w2, ("a",), 1)
+  assert state.can_tile(w2, 0, ("a",)) == "an earlier tactic keeps w2 replicated over 'a'"
