@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, NamedTuple
 
+import chex
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from environments.observations import NUM_KINDS
+from environments.observations import (ACTION_FEATURES, GLOBAL_FEATURES, NODE_FEATURES, NUM_KINDS,
+                                       SHARDING_FEATURES, TOUCHED)
 
 MASKED = -1e9
 
@@ -48,7 +50,22 @@ def _mlp(width: int, out: int, name: str) -> hk.Module:
   return hk.nets.MLP([width, out], activation=jax.nn.relu, name=name)
 
 
+def _check(obs: dict) -> None:
+  """The observation is one padded graph of this encoding (`environments.observations`)."""
+  n, e, a = obs["node_kind"].shape[0], obs["senders"].shape[0], obs["actions"].shape[0]
+  chex.assert_shape([obs["node_kind"], obs["node_mask"]], (n,))
+  chex.assert_shape(obs["nodes"], (n, NODE_FEATURES))
+  chex.assert_shape(obs["node_sharding"], (n, SHARDING_FEATURES))
+  chex.assert_shape([obs["senders"], obs["receivers"], obs["edge_direction"],
+                     obs["edge_mask"]], (e,))
+  chex.assert_shape(obs["actions"], (a, ACTION_FEATURES))
+  chex.assert_shape([obs["action_nodes"], obs["action_nodes_mask"]], (a, TOUCHED))
+  chex.assert_shape(obs["action_mask"], (a,))
+  chex.assert_shape(obs["globals"], (GLOBAL_FEATURES,))
+
+
 def _forward(obs: dict, config: NetworkConfig) -> PolicyOutput:
+  _check(obs)
   h_dim = config.hidden
   node_mask = obs["node_mask"].astype(jnp.float32)[:, None]
   h = (hk.Embed(NUM_KINDS, h_dim, name="kind")(obs["node_kind"])
