@@ -5,7 +5,7 @@ of its default."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from agents import networks as networks_lib
 from agents.alphazero.config import AlphaZeroActorConfig
@@ -71,7 +71,3 @@ def known_settings(algorithm: str) -> list[str]:
   return [f.name for cls in (spec.learner_config, spec.actor_config)
           for f in dataclasses.fields(cls)]
 
-
-def settings_of(builder: Builder) -> dict[str, Any]:
-  """The flat settings a builder was made with (learner's and actor's)."""
-  return {**dataclasses.asdict(builder.config), **dataclasses.asdict(builder.actor_config)}

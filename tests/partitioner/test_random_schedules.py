@@ -33,7 +33,7 @@ def test_random_schedules_partition_correctly(case):
 def test_refused_schedules_are_refused_for_a_reason_not_a_crash():
   """A schedule the partitioner cannot honour is a one-line error, not a wrong program."""
   result = fuzz.check("mlp", "batch=8", "Tile(batch/x, 1, batch); Tile(batch/x, 0, batch)")
-  assert result["outcome"] == "refused" and "already shards" in result["reason"]
+  assert result["outcome"] == "refused" and "already sharded over" in result["reason"]
 
 
 def test_images_split_along_their_width_with_labels_split_by_batch():
