@@ -119,36 +119,41 @@ def best(results: Sequence[ExpertResult]) -> ExpertResult | None:
                                            r.fits), default=None)
 
 
-def evaluate_experts(program, mesh, hardware, family: str, *, budget: int | None = None,
-                     order: Sequence[str] | None = None, strategies: Sequence[str] | None = None,
-                     simulate: Callable | None = None, start=None,
+def evaluate_experts(family: str, axes: Sequence[str], cost: Callable[[str], Any], *,
+                     budget: int, strategies: Sequence[str] | None = None,
                      progress: Callable[[str], None] | None = None) -> list[ExpertResult]:
-  """Every expert strategy of `family` applied to `program` over `mesh` (a `Mesh` or
-  "batch=8,model=4") and simulated on `hardware`; `budget`: bytes per device (default the
-  device's memory). Strategies that do not apply are kept with the reason. `simulate(pp)`
-  replaces the simulator (a folded program's); `start`, a partitioned `program`, is what the
-  schedules are applied after; `progress(name)` is called before each."""
-  from partitioner import apply
-  from partitioner.cost import load_hardware
-  from partitioner.cost import simulate as simulate_program
+  """Every expert strategy of `family` for a mesh with `axes`, costed by `cost(schedule)` (a
+  `CostReport`; a `ShardzeroError` where the strategy does not apply, kept with the reason)
+  and checked against `budget` bytes per device. `progress(name)` is called before each."""
   from partitioner.errors import ShardzeroError
-  from partitioner.mesh import Mesh
-  mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
-  hardware = load_hardware(hardware)
-  budget = budget or hardware.hbm_bytes
-  simulate = simulate or (lambda pp: simulate_program(pp, hardware, order))
-  schedules = experts(family, mesh.names)
   out = []
-  for name, schedule in schedules.items():
+  for name, schedule in experts(family, axes).items():
     if strategies is not None and name not in strategies:
       continue
     if progress:
       progress(name)
     try:
-      cost = simulate(start.apply(schedule) if start is not None else
-                      apply(program, mesh, schedule))
+      report = cost(schedule)
     except ShardzeroError as e:
       out.append(ExpertResult(name, schedule, error=str(e)))
       continue
-    out.append(ExpertResult(name, schedule, cost, cost.peak_memory_bytes <= budget))
+    out.append(ExpertResult(name, schedule, report, report.peak_memory_bytes <= budget))
   return out
+
+
+def simulate_experts(program, mesh, hardware, family: str, *, budget: int | None = None,
+                     order: Sequence[str] | None = None, simulate: Callable | None = None,
+                     **kwargs) -> list[ExpertResult]:
+  """`evaluate_experts` by the simulator: each schedule applied to `program` over `mesh` (a
+  `Mesh` or "batch=8,model=4") on `hardware`, within `budget` (default the device's memory).
+  `simulate(pp)` replaces the simulator (a folded program's)."""
+  from partitioner import apply
+  from partitioner.cost import load_hardware
+  from partitioner.cost import simulate as simulate_program
+  from partitioner.mesh import Mesh
+  mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
+  hardware = load_hardware(hardware)
+  simulate = simulate or (lambda pp: simulate_program(pp, hardware, order))
+  return evaluate_experts(family, mesh.names,
+                          lambda schedule: simulate(apply(program, mesh, schedule)),
+                          budget=budget or hardware.hbm_bytes, **kwargs)

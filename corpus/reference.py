@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-from corpus.experts import evaluate_experts, preference
+from corpus.experts import preference, simulate_experts
 from corpus.registry import load, parse
 from corpus.workload import parameter_count
 
@@ -44,7 +44,7 @@ def evaluate_model(spec: str, mesh, hardware, order: Sequence[str] | None = None
   workload = load(spec, abstract=True)
   program = trace(workload.fn, *workload.args)
   n_params = parameter_count(workload.args[0])
-  results = evaluate_experts(program, mesh, hardware, family.name, order=order,
+  results = simulate_experts(program, mesh, hardware, family.name, order=order,
                              strategies=strategies,
                              progress=progress and (lambda name: progress(f"{spec} {name}")))
   entries = []

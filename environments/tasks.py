@@ -75,7 +75,7 @@ def _fold(task: Task):
   depth = getattr(corpus.parse(task.model)[1], "layers", 0) if family in corpus.FAMILIES else 0
   if depth <= 3:
     return None
-  from corpus.experts import evaluate_experts
+  from corpus.experts import simulate_experts
   from environments.actions import action_space, decision_points
   from partitioner.cost import Simulator, load_hardware
   from partitioner.folding import fold
@@ -93,9 +93,9 @@ def _fold(task: Task):
   # time on the GPT, T5 and SSM experts at 64 to 1024 devices).
   hardware = load_hardware(task.hardware).combining(0)
   try:
-    folded = evaluate_experts(folding.program, mesh, hardware, family,
+    folded = simulate_experts(folding.program, mesh, hardware, family,
                               simulate=Simulator(folding.program, mesh, hardware, folding=folding))
-    exact = evaluate_experts(whole, mesh, hardware, family)
+    exact = simulate_experts(whole, mesh, hardware, family)
   except ShardzeroError:   # nothing to check the folding against
     return None
   for f, e in zip(folded, exact):
@@ -126,9 +126,9 @@ def _data_parallel_peak(task: Task) -> int:
 def _smallest_expert_peak(task: Task) -> int | None:
   """The lowest peak bytes per device among the family's expert strategies (None for a model
   without expert strategies)."""
-  from corpus.experts import evaluate_experts
+  from corpus.experts import simulate_experts
   try:
-    results = evaluate_experts(load_program(task.model), task.mesh, task.hardware,
+    results = simulate_experts(load_program(task.model), task.mesh, task.hardware,
                                task.model.partition(":")[0])
   except WorkloadError:
     return None

@@ -24,16 +24,26 @@ class ExpertResult(NamedTuple):
 
 
 def evaluate_experts(env: SearchEnvironment) -> list[ExpertResult]:
-  """Every expert strategy of the task's model family from `env`'s current state: costed by
-  `corpus.experts.evaluate_experts` on the task's own program, then played in a clone for
-  its actions and score. Strategies that do not apply, or with an action that is not legal
-  here, are kept with the reason."""
+  """Every expert strategy of the task's model family (`corpus.experts.evaluate_experts`),
+  played from `env`'s current state in a clone, costed on the task's own program. Strategies
+  with an action that is not legal here are kept with the reason."""
   from partitioner.tactics import parse_schedule
+  played: dict[str, tuple[tuple[int, ...], float]] = {}
+
+  def cost(schedule: str):
+    trial = env.clone()
+    actions = tuple(trial.action_index(str(t)) for t in parse_schedule(schedule))
+    for a in actions:
+      if trial.done:
+        raise ShardzeroError("the episode ended before the schedule did")
+      trial.step(a)
+    played[schedule] = (actions, trial.score())
+    return trial.exact_cost
+
   ctx = env.context
-  start = ctx.unfolded(env.partitioned)
   try:
-    ran = evaluate_schedules(start.program, ctx.mesh, ctx.hardware,
-                             env.task.model.partition(":")[0], budget=ctx.budget, start=start)
+    ran = evaluate_schedules(env.task.model.partition(":")[0], ctx.mesh.names, cost,
+                             budget=ctx.budget)
   except WorkloadError:
     raise WorkloadError(f"the expert agent needs a corpus model; {env.task.model!r} has no "
                         "expert strategies") from None
@@ -41,18 +51,9 @@ def evaluate_experts(env: SearchEnvironment) -> list[ExpertResult]:
   for r in ran:
     if r.cost is None:
       out.append(ExpertResult(r.name, r.schedule, (), None, None, None, r.error))
-      continue
-    trial = env.clone()
-    try:
-      actions = tuple(trial.action_index(str(t)) for t in parse_schedule(r.schedule))
-      for a in actions:
-        if trial.done:
-          raise ShardzeroError("the episode ended before the schedule did")
-        trial.step(a)
-    except ShardzeroError as e:
-      out.append(ExpertResult(r.name, r.schedule, (), None, None, None, str(e)))
-      continue
-    out.append(ExpertResult(r.name, r.schedule, actions, r.cost, trial.score(), r.fits))
+    else:
+      actions, score = played[r.schedule]
+      out.append(ExpertResult(r.name, r.schedule, actions, r.cost, score, r.fits))
   return out
 
 
