@@ -30,7 +30,7 @@ from agents.search.mcts import MCTSActor  # noqa: E402
 from benchmarks.reporting import print_table, write_results  # noqa: E402
 from launch.runtime import relax_gc  # noqa: E402
 from environments import PartitioningEnv, Task  # noqa: E402
-from environments.tasks import TASKS  # noqa: E402
+from environments.tasks import TASKS as TASK_CACHE  # noqa: E402
 
 TASKS = (
     ("gpt 12 layers", Task("gpt:125m", "batch=4,model=8"), True),
@@ -62,7 +62,7 @@ def collector_time():
 
 def measure(label: str, task: Task, steps: int, simulations: int, fold: bool = True,
             seed: int = 0) -> dict:
-  TASKS.contexts.clear()
+  TASK_CACHE.contexts.clear()
   start = time.perf_counter()
   env = PartitioningEnv(task, seed=seed, fold=fold)
   setup_s = time.perf_counter() - start
