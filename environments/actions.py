@@ -13,12 +13,11 @@ import re
 from typing import NamedTuple, Sequence
 
 from partitioner import roles as R
-from partitioner.errors import ShardzeroError
 from partitioner.ir import Program
 from partitioner.mesh import Mesh
 from partitioner.propagation import ShardingState
 from partitioner.tactics import (BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 SequenceParallel, Tactic, TacticContext, Tile, ZeRO)
+                                 SequenceParallel, Tactic, Tile, ZeRO, tactic_problem)
 
 ROLES = ("param", "opt", "data")
 # The manual tactics an agent may apply, per mesh axis; the action feature `kind` indexes this.
@@ -101,32 +100,6 @@ def manual_tactics(mesh: Mesh) -> list[tuple[str, Tactic]]:
   return out
 
 
-def check_tactic(tactic: Tactic, state: ShardingState, index: int) -> str | None:
-  """Why `tactic` cannot be applied to `state` (None if it can): a dry run that tiles its
-  targets on a scratch copy without propagating. Every tactic but ZeRO tiles all its targets
-  before it propagates, so the dry run fails exactly where applying it would; ZeRO chooses
-  its dimensions after propagating the batch, and never fails once it applies to the program
-  at all, so the environment only keeps it from being applied twice over one axis."""
-  ctx = TacticContext(state.scratch(), index, dry_run=True)
-  try:
-    tactic.apply(ctx)
-  except ShardzeroError as e:
-    return str(e)
-  if not ctx.targets:
-    return "it changes nothing here"
-  return None
-
-
-def tactic_footprint(tactic: Tactic, program: Program, mesh: Mesh) -> frozenset[int]:
-  """The values a manual tactic other than ZeRO tiles on the unpartitioned program. Its
-  targets depend on the program and mesh alone, so its dry run on any state reads the shardings and
-  forbidden axes of these values only: its legality can change only when one of them does."""
-  state = ShardingState(program, mesh)
-  state.changed.clear()
-  tactic.apply(TacticContext(state, 0, dry_run=True))
-  return frozenset(state.changed)
-
-
 def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
                  axes: Sequence[str] | None = None) -> list[Action]:
   """Every action of a task over `axes` (default: all): the tiles that divide, the manual
@@ -142,7 +115,7 @@ def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
           actions.append(Action("tile", Tile(point.pattern, dim, a), k, dim, a))
   root = ShardingState(program, mesh)
   for kind, tactic in manual_tactics(mesh):
-    if tactic.axis in axes and sizes[tactic.axis] > 1 and check_tactic(tactic, root, 0) is None:
+    if tactic.axis in axes and sizes[tactic.axis] > 1 and tactic_problem(tactic, root, 0) is None:
       actions.append(Action(kind, tactic, axis=tactic.axis))
   actions.append(Action("finish", None))
   return actions

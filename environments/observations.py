@@ -15,7 +15,8 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from dm_env import specs
 
-from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint, tactic_footprint
+from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
+from partitioner.tactics import tactic_footprint
 from partitioner import roles as R
 from partitioner.cost.compute import REDUCTIONS, ProgramWork
 from partitioner.cost.hardware import Hardware

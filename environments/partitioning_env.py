@@ -26,8 +26,7 @@ import dm_env
 import numpy as np
 from dm_env import specs
 
-from environments.actions import (Action, DecisionPoint, action_space, check_tactic,
-                                  decision_points, tile_problem)
+from environments.actions import Action, DecisionPoint, action_space, decision_points, tile_problem
 from environments.observations import Sizes, StaticGraph, dynamic_features, observation_spec
 from environments.states import StateCache, StateInfo, ZobristHash
 from environments.tasks import TASKS, Task, TaskDistribution, folded_program, load_program
@@ -35,7 +34,7 @@ from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram
 from partitioner.roles import aliased_outputs
-from partitioner.tactics import Tile, ZeRO
+from partitioner.tactics import Tile, ZeRO, tactic_problem
 
 
 class InvalidActionError(ShardzeroError):
@@ -152,7 +151,7 @@ class TaskContext:
       elif action.tactic in applied:
         mask[i] = False
       elif fresh or not self._footprint[i].isdisjoint(state.changed):
-        mask[i] = check_tactic(action.tactic, state, len(pp.schedule)) is None
+        mask[i] = tactic_problem(action.tactic, state, len(pp.schedule)) is None
     return mask
 
   def unfolded(self, pp: PartitionedProgram) -> PartitionedProgram:
@@ -188,7 +187,7 @@ class TaskContext:
       elif action.tactic in pp.schedule:
         why = "it was applied already"
       else:
-        why = check_tactic(action.tactic, pp.state, len(pp.schedule))
+        why = tactic_problem(action.tactic, pp.state, len(pp.schedule))
       info.problems[index] = why or "it is not legal here"
     return info.problems[index]
 

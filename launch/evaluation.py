@@ -18,7 +18,7 @@ import time
 import types
 from typing import Iterable, NamedTuple
 
-from partitioner.errors import ShardzeroError, WorkloadError
+from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
 AGENT_VERSIONS = {"expert": 1, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 3,

@@ -17,7 +17,7 @@ import time
 from typing import ClassVar, NamedTuple, Protocol, Sequence
 
 from partitioner import roles as R
-from partitioner.errors import PatternError, ScheduleError
+from partitioner.errors import PatternError, ScheduleError, ShardzeroError
 from partitioner.partial_sums import accumulators
 from partitioner.propagation import ShardingState
 
@@ -454,6 +454,35 @@ def _count(state, vid, dim) -> int:
   for a in state.dims[vid][dim]:
     n *= state.sizes[a]
   return n
+
+
+# ------------------------------------------------------------------------------- legality
+def tactic_problem(tactic: Tactic, state: ShardingState, index: int) -> str | None:
+  """Why `tactic` cannot be applied to `state` as tactic number `index` (None if it can): a
+  dry run that tiles its targets on a scratch copy without propagating. Every tactic but ZeRO
+  tiles all its targets before it propagates, so the dry run fails exactly where applying it
+  would; ZeRO chooses its dimensions after propagating the batch, and never fails once it
+  applies to the program at all, so the environment only keeps it from being applied twice
+  over one axis."""
+  ctx = TacticContext(state.scratch(), index, dry_run=True)
+  try:
+    tactic.apply(ctx)
+  except ShardzeroError as e:
+    return str(e)
+  if not ctx.targets:
+    return "it changes nothing here"
+  return None
+
+
+def tactic_footprint(tactic: Tactic, program, mesh) -> frozenset[int]:
+  """The values a manual tactic other than ZeRO tiles on the unpartitioned program. Its
+  targets depend on the program and mesh alone, so its dry run on any state reads the
+  shardings and forbidden axes of these values only: its legality can change only when one of
+  them does."""
+  state = ShardingState(program, mesh)
+  state.changed.clear()
+  tactic.apply(TacticContext(state, 0, dry_run=True))
+  return frozenset(state.changed)
 
 
 # ------------------------------------------------------------------------------ schedule syntax
