@@ -436,3 +436,28 @@ def test_search_learning_rate_decays_along_a_cosine_after_cloning():
                              atol=1e-7)
   with pytest.raises(ShardzeroError, match="decay_steps"):
     make_builder("alphazero", {"decay_steps": -1})
+
+
+def test_the_policy_cache_reloads_a_changed_checkpoint_and_keeps_few(tmp_path):
+  import os
+  from learners.policies import PolicyCache
+  builder = make_builder("alphazero", sizes=SIZES)
+  nets = builder.make_networks()
+  learner = builder.make_learner(nets, builder.init_params(nets), iter([]),
+                                 logger=InMemoryLogger())
+  runs = []
+  for i in range(2):
+    run = tmp_path / f"run{i}"
+    RunConfig(algorithm="alphazero", sizes=tuple(SIZES)).save(str(run))
+    checkpointing.save(str(run / checkpointing.FILENAME), {"learner": learner.save()})
+    runs.append(str(run))
+  cache = PolicyCache(size=1)
+  first = cache(runs[0])
+  assert cache(runs[0]) is first
+  path = os.path.join(runs[0], checkpointing.FILENAME)
+  stamp = os.path.getmtime(path) + 10
+  os.utime(path, (stamp, stamp))                 # a newer checkpoint: loaded again
+  second = cache(runs[0])
+  assert second is not first and cache(runs[0]) is second
+  cache(runs[1])                                 # size 1: the other run is dropped
+  assert cache(runs[0]) is not second
