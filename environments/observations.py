@@ -16,13 +16,13 @@ import numpy as np
 from dm_env import specs
 
 from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
-from partitioner.tactics import tactic_footprint
 from partitioner import roles as R
 from partitioner.cost.compute import REDUCTIONS, ProgramWork
 from partitioner.cost.hardware import Hardware
 from partitioner.errors import WorkloadError
 from partitioner.ir import Program
 from partitioner.mesh import Mesh
+from partitioner.tactics import tactic_footprint
 
 MAX_RANK = 6      # dimensions beyond this share the last slot
 MAX_AXES = 4      # mesh axes an observation can describe

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner.collectives import ALL_REDUCE, reshard_steps, result_writes
+from partitioner.ir import per_program
 from partitioner.sharding import Axes, Sharding, local_shape
 
 # Linear in every operand: each must be held partial over the same axes.
@@ -93,6 +94,7 @@ class _Carry(NamedTuple):
   zeros: int       # its initial value, zeros
 
 
+@per_program
 def links(program) -> tuple[dict, tuple, dict]:
   """What does not depend on the shardings: per value that could be held, the op that would
   carry it on (its only reader, linear in it, in the same loop body); the ops whose result is
@@ -128,21 +130,12 @@ def links(program) -> tuple[dict, tuple, dict]:
   return link, producers, carries
 
 
-def program_links(state) -> tuple[dict, tuple, dict]:
-  """`links` of the state's program, kept with its factor table."""
-  memo = state.table.memo(state.mesh)
-  found = memo.get("partial_sums")
-  if found is None:
-    found = memo["partial_sums"] = links(state.program)
-  return found
-
-
 def accumulators(state, max_bytes: int) -> list[tuple[int, ...]]:
   """The loops' partial-sum accumulators of at most `max_bytes`: (initial zeros, the carry in
   the body, the new carry) each. ZeRO keeps them whole over its axis, so that the sum is
   reduced once after the loop rather than reduce-scattered into a shard in every iteration."""
   values = state.program.values
-  return [(c.zeros, c.carry, new) for new, c in program_links(state)[2].items()
+  return [(c.zeros, c.carry, new) for new, c in links(state.program)[2].items()
           if math.prod(values[new].shape) * values[new].dtype.itemsize <= max_bytes]
 
 
@@ -151,7 +144,7 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
   and what is held partial. `ops` and `communicating` are the plans before deferral."""
   program, sizes = state.program, state.sizes
   values, program_ops = program.values, program.ops
-  link, producers, carries = program_links(state)
+  link, producers, carries = links(state.program)
   trees: dict[int, _Tree] = {}
   for t in carries.values():   # zeros to begin with: a partial sum over any axes
     trees[t.carry] = _Tree(None, 0, 0, 0, (), ())

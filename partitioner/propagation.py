@@ -23,7 +23,7 @@ from typing import NamedTuple, Sequence
 
 from partitioner.errors import ShardingError
 from partitioner.factors import REPL, OpFactors, join_dim, split_dim
-from partitioner.ir import Program
+from partitioner.ir import Program, per_program
 from partitioner.mesh import Mesh
 from partitioner.rules import op_factors
 from partitioner.sharding import Axes, Dims, Sharding, format_dims
@@ -127,11 +127,9 @@ class FactorTable:
     return self.fallbacks
 
 
+@per_program
 def factor_table(program: Program) -> FactorTable:
-  table = program.__dict__.get("_factor_table")
-  if table is None:
-    table = program.__dict__["_factor_table"] = FactorTable(program)
-  return table
+  return FactorTable(program)
 
 
 class Origin(NamedTuple):

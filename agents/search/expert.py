@@ -12,8 +12,9 @@ from environments.protocols import SearchEnvironment
 from partitioner.errors import ShardzeroError, WorkloadError
 
 
-class ExpertResult(NamedTuple):
-  """An expert strategy as the environment plays it."""
+class ExpertPlay(NamedTuple):
+  """An expert strategy as the environment plays it (`corpus.experts.ExpertResult` with its
+  actions and score)."""
   name: str
   schedule: str
   actions: tuple[int, ...]
@@ -23,7 +24,7 @@ class ExpertResult(NamedTuple):
   error: str | None = None
 
 
-def evaluate_experts(env: SearchEnvironment) -> list[ExpertResult]:
+def evaluate_experts(env: SearchEnvironment) -> list[ExpertPlay]:
   """Every expert strategy of the task's model family (`corpus.experts.evaluate_experts`),
   played from `env`'s current state in a clone, costed on the task's own program. Strategies
   with an action that is not legal here are kept with the reason."""
@@ -50,14 +51,14 @@ def evaluate_experts(env: SearchEnvironment) -> list[ExpertResult]:
   out = []
   for r in ran:
     if r.cost is None:
-      out.append(ExpertResult(r.name, r.schedule, (), None, None, None, r.error))
+      out.append(ExpertPlay(r.name, r.schedule, (), None, None, None, r.error))
     else:
       actions, score = played[r.schedule]
-      out.append(ExpertResult(r.name, r.schedule, actions, r.cost, score, r.fits))
+      out.append(ExpertPlay(r.name, r.schedule, actions, r.cost, score, r.fits))
   return out
 
 
-def best_expert(results: list[ExpertResult]) -> ExpertResult | None:
+def best_expert(results: list[ExpertPlay]) -> ExpertPlay | None:
   """The best that applies, by the one rule (`corpus.experts.preference`)."""
   return best_of(results)
 
