@@ -27,17 +27,71 @@ import numpy as np
 from partitioner.ir import Program
 
 
-class Folding(NamedTuple):
-  """A shallow program standing for a deep one."""
-  program: Program           # the three-layer trace
-  depth: int                 # layers of the program it stands for
-  op_weight: np.ndarray      # per op: how many ops of the deep program it stands for
-  value_weight: np.ndarray   # per value: how many buffers of the deep program it stands for
+class Buffers(NamedTuple):
+  """How many buffers of the deep program each value of the shallow one stands for."""
+  value_weight: np.ndarray   # per value
   # Per value: the first and last op of the middle block that makes it and of the one that
   # reads it last (-1: none). The deep program runs such a block once per middle layer, so a
   # buffer standing for several is made (or dropped) a layer at a time across it.
   made_in: np.ndarray        # (values, 2)
   dropped_in: np.ndarray     # (values, 2)
+
+
+class Folding(NamedTuple):
+  """A shallow program standing for a deep one."""
+  program: Program           # the three-layer trace
+  depth: int                 # layers of the program it stands for
+  op_weight: np.ndarray      # per op: how many ops of the deep program it stands for
+  middle: np.ndarray         # per op: in the middle layer
+  block: np.ndarray          # per op: the run of middle or outer ops it belongs to
+
+  def buffers(self, last_run: np.ndarray | None = None) -> Buffers:
+    """A buffer stands for depth - 2 when the deep program holds one per middle layer at once:
+    the middle layer's parameters and optimizer state (inputs it reads last), and what one of
+    its blocks hands to another (kept activations, gradients for the optimizer, its new
+    parameters). What one block makes and drops, or hands along a chain between layers (a
+    gradient flowing back), is live for one layer at a time. `last_run` (per op): where a
+    fused op's operands are last read, when a later kernel computes it again."""
+    three, middle, block, depth = self.program, self.middle, self.block, self.depth
+    outputs = set(three.outputs)
+    value_weight = np.ones(len(three.values))
+    first = np.searchsorted(block, block, side="left")
+    last = np.searchsorted(block, block, side="right") - 1
+    made_in = np.full((len(three.values), 2), -1, np.int64)
+    dropped_in = np.full((len(three.values), 2), -1, np.int64)
+    from partitioner.cost.memory import bufferless, readers_with_views
+    # A value read through a view or a fused conversion is read where those are (it is what
+    # the deep program stores).
+    for v, readers in enumerate(readers_with_views(three, bufferless(three))):
+      # A middle op fused into a kernel that runs after the middle layer (the optimizer's, a
+      # global norm's) reads the value there, every layer's copy of it at once.
+      late = last_run is not None and any(
+          middle[r] and not middle[last_run[r]] for r in readers)
+      if last_run is not None:
+        readers = sorted(set(readers) | {int(last_run[r]) for r in readers}) \
+            if any(last_run[r] != r for r in readers) else readers
+      producer = three.values[v].producer
+      if v in outputs or not readers:   # every middle layer makes one, kept to the end
+        stands = v in outputs and producer is not None and middle[producer]
+      elif late:
+        stands = producer is None or bool(middle[producer])
+      elif not middle[readers[-1]]:
+        stands = False
+      elif producer is None:
+        stands = True
+      else:
+        blocks = {block[r] for r in readers if middle[r]}
+        if middle[producer]:
+          blocks.add(block[producer])
+        stands = len(blocks) >= 2
+      if stands:
+        value_weight[v] = depth - 2
+        if producer is not None and middle[producer]:
+          made_in[v] = first[producer], last[producer]
+        if (readers and producer is not None and v not in outputs and
+            middle[readers[-1]]):   # else it lives to the end, or to a reader past the middle
+          dropped_in[v] = first[readers[-1]], last[readers[-1]]
+    return Buffers(value_weight, made_in, dropped_in)
 
 
 def _signature(program: Program, op) -> tuple:
@@ -78,38 +132,5 @@ def fold(two: Program, three: Program, depth: int) -> Folding | None:
   if not middle.any():
     return None
   op_weight = np.where(middle, depth - 2, 1).astype(np.float64)
-  # A buffer stands for depth - 2 when the deep program holds one per middle layer at once:
-  # the middle layer's parameters and optimizer state (inputs it reads last), and what one of
-  # its blocks hands to another (kept activations, gradients for the optimizer, its new
-  # parameters). What one block makes and drops, or hands along a chain between layers (a
-  # gradient flowing back), is live for one layer at a time.
   block = np.cumsum(np.concatenate([[0], middle[1:] != middle[:-1]]))
-  outputs = set(three.outputs)
-  value_weight = np.ones(len(three.values))
-  first = np.searchsorted(block, block, side="left")
-  last = np.searchsorted(block, block, side="right") - 1
-  made_in = np.full((len(three.values), 2), -1, np.int64)
-  dropped_in = np.full((len(three.values), 2), -1, np.int64)
-  from partitioner.cost.memory import bufferless, readers_with_views
-  # A value read through a view or a fused conversion is read where those are (it is what
-  # the deep program stores).
-  for v, readers in enumerate(readers_with_views(three, bufferless(three))):
-    producer = three.values[v].producer
-    if not readers:
-      stands = v in outputs and producer is not None and middle[producer]
-    elif not middle[readers[-1]]:
-      stands = False
-    elif producer is None:
-      stands = True
-    else:
-      blocks = {block[r] for r in readers if middle[r]}
-      if middle[producer]:
-        blocks.add(block[producer])
-      stands = len(blocks) >= 2
-    if stands:
-      value_weight[v] = depth - 2
-      if producer is not None and middle[producer]:
-        made_in[v] = first[producer], last[producer]
-      if readers and producer is not None and v not in outputs:   # else it lives to the end
-        dropped_in[v] = first[readers[-1]], last[readers[-1]]
-  return Folding(three, depth, op_weight, value_weight, made_in, dropped_in)
+  return Folding(three, depth, op_weight, middle, block)

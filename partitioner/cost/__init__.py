@@ -1,9 +1,10 @@
 """The cost model: a hierarchy-aware simulator of step time and memory per device."""
 
 # Bumped when predictions change (2: collectives combine; 3: views and cheap one-operand
-# elementwise results have no buffers; 4: partial sums deferred through linear ops), so that
-# stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 4
+# elementwise results have no buffers; 4: partial sums deferred through linear ops; 5: GPUs and
+# TPUs fuse as XLA:GPU does), so that stored evaluations made with another model are redone
+# rather than compared with these.
+COST_MODEL_VERSION = 5
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

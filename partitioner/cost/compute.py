@@ -2,9 +2,10 @@
 
 Each op's global work (FLOPs) is computed once from the program; under a sharding the local
 work is the global work divided by how finely the factors that index the op's iteration space
-are split. Chains of elementwise, shape and reduction ops fuse as XLA fuses them: values passed
-inside a fusion never reach HBM, so a fused kernel's memory traffic is what crosses its
-boundary. A kernel takes max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency)).
+are split. Elementwise, shape and reduction ops fuse as XLA fuses them on the hardware
+(`fusion.py`): values passed inside a fusion never reach HBM, so a fused kernel's memory traffic
+is what crosses its boundary. A kernel takes max(FLOPs / (peak x efficiency), bytes / (HBM
+bandwidth x efficiency)).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner import roles as R
+from partitioner.cost.fusion import kernels
 from partitioner.ir import Program, per_program
 from partitioner.rules.elementwise import NARY, UNARY
 
@@ -67,68 +69,41 @@ def _work(op, program) -> OpWork:
 class ProgramWork:
   """What the cost of a program depends on that no sharding changes; computed once."""
 
-  def __init__(self, program: Program):
+  def __init__(self, program: Program, fusion: str = "consecutive"):
     self.program = program
     ops = program.ops
     self.work = [_work(op, program) for op in ops]
     self.producer = np.array([-1 if v.producer is None else v.producer for v in program.values],
                              np.int64)
-    fusible = [op.name in FUSIBLE for op in ops]
-    outputs = set(program.outputs)
-    users = program.users
-    # Fused kernels are runs of fusible ops, consecutive in the order they run, joined by values
-    # passed inside the run.
-    # A value stays in a kernel when a fusible op makes it and all its readers are in the same
-    # kernel; reductions end a kernel (their result is needed whole before it is used), and a
-    # value a reduction reads stays in memory if anything else reads it too (softmax's exp).
-    is_reduce = [op.name in REDUCTIONS for op in ops]
-    candidate = np.zeros(len(program.values), bool)
-    for op in ops:
-      if fusible[op.index] and not is_reduce[op.index]:
-        for v in op.outputs:
-          readers = users[v]
-          candidate[v] = (v not in outputs and bool(readers) and
-                          all(fusible[u] for u in readers) and
-                          not (len(readers) > 1 and any(is_reduce[u] for u in readers)))
     self.order = _run_order(program)
-    group, current, previous = [0] * len(ops), -1, -1
-    region = program.region_of if program.regions else np.full(len(ops), -1)
-    for i in self.order:
-      op = ops[i]
-      joins = (fusible[i] and current >= 0 and previous >= 0 and fusible[previous] and
-               region[i] == region[previous] and
-               any(candidate[v] and group[self.producer[v]] == current for v in op.inputs
-                   if self.producer[v] >= 0))
-      if not joins:
-        current += 1
-      group[i] = current
-      previous = i
-    self.internal = np.zeros(len(program.values), bool)
-    for v in np.nonzero(candidate)[0]:
-      g = group[self.producer[v]]
-      self.internal[v] = all(group[u] == g for u in users[v])
-    self.group = np.array(group, np.int64)    # the fused kernel of each op, numbered in run order
-    self.groups = current + 1
-    # Arrays for the costs of ops that read and write their values as they are laid out.
+    # A slice reads only what it writes (one layer of a stacked weight, not the stack).
+    scale = np.array([_read_scale(op, program) for op in ops], np.float64)
+    k = kernels(program, self.order, [op.name in FUSIBLE for op in ops],
+                [op.name in REDUCTIONS for op in ops], scale, fusion)
+    self.internal = k.internal
+    self.group = k.group          # the fused kernel of each op, numbered in run order
+    self.groups = k.groups
+    self.last_run = k.last_run    # where an op's operands are last read
+    # Arrays for the costs of ops that read and write their values as they are laid out; an op
+    # recomputed in several kernels reads its operands in each.
     self.global_flops = np.array([w.flops for w in self.work])
     self.work_tensor = [w.work_tensor for w in self.work]
     self.value_bytes = np.array([v.nbytes for v in program.values], np.float64)
     self.is_const = np.array([v.is_const for v in program.values], bool)
     self.work_value = np.array([_work_value(op, w) for op, w in zip(ops, self.work)], np.int64)
-    # A slice reads only what it writes (one layer of a stacked weight, not the stack).
-    self.read_scale = np.array([_read_scale(op, program) for op in ops], np.float64)
+    self.read_scale = k.read_scale
     edges = [(op.index, v) for op in ops for v in op.inputs if not self.internal[v]]
     self.read_op, self.read_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
         if edges else (np.zeros(0, np.int64),) * 2
     edges = [(op.index, v) for op in ops for v in op.outputs
-             if not self.internal[v] and self.read_scale[op.index]]
+             if not self.internal[v] and scale[op.index]]
     self.write_op, self.write_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
         if edges else (np.zeros(0, np.int64),) * 2
 
   @staticmethod
   @per_program
-  def of(program: Program) -> "ProgramWork":
-    return ProgramWork(program)
+  def of(program: Program, fusion: str = "consecutive") -> "ProgramWork":
+    return ProgramWork(program, fusion)
 
 
 def _run_order(program: Program) -> list[int]:

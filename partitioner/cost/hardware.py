@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Mapping
 
+from partitioner.cost.fusion import MODELS as FUSION_MODELS
 from partitioner.errors import ShardzeroError
 
 GiB = 2**30
@@ -57,6 +58,9 @@ class Hardware:
   # Independent all-reduces, all-gathers or reduce-scatters over the same devices are combined
   # into one of at most this many bytes (XLA's combiner passes; FSDP and DDP buckets); 0: never.
   combine_threshold_bytes: int = COMBINE_THRESHOLD
+  # How XLA fuses ops into kernels there (partitioner/cost/fusion.py): "producer" (XLA:GPU,
+  # measured on an H100; TPUs assumed alike) or "consecutive" (XLA:CPU).
+  fusion: str = "producer"
 
   def __hash__(self) -> int:  # the mappings are not hashable; equal specs share a name
     return hash(self.name)
@@ -114,6 +118,10 @@ class Hardware:
       values["combine_threshold_bytes"] = int(_positive(
           values.get("combine_threshold_bytes", COMBINE_THRESHOLD), "combine_threshold_bytes",
           allow_zero=True))
+      values["fusion"] = str(values.get("fusion", "producer"))
+      if values["fusion"] not in FUSION_MODELS:
+        raise HardwareError(f"{source}: unknown fusion {values['fusion']!r}; known: "
+                            f"{', '.join(FUSION_MODELS)}")
       values["name"], values["description"] = str(values["name"]), str(values["description"])
     except (TypeError, ValueError, AttributeError) as e:
       raise HardwareError(f"{source}: {e}") from None
@@ -167,7 +175,8 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
              "per-device share of a small machine, for checking orderings locally",
              {"float32": 20e9, "bfloat16": 5e9}, 8 * GiB, 10e9, 64,
              Link("memory", 5e9, 20e-6), Link("memory", 5e9, 20e-6),
-             overlap_collectives=False, combine_threshold_bytes=0),   # XLA:CPU combines none
+             overlap_collectives=False, combine_threshold_bytes=0,    # XLA:CPU combines none
+             fusion="consecutive"),
 ]}
 
 ALIASES = {"a100": "a100-80gb", "h100-80gb": "h100", "v3": "tpu-v3", "v4": "tpu-v4",

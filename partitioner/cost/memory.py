@@ -59,8 +59,8 @@ class ProgramLiveness:
     users = program.users
     for v in program.values:
       if v.producer is not None and not work.internal[v.id] and not v.is_const:
-        birth[v.id] = v.producer
-        death[v.id] = max(users[v.id], default=v.producer)
+        birth[v.id] = v.producer   # read until the last kernel that computes a reader
+        death[v.id] = max((int(work.last_run[u]) for u in users[v.id]), default=v.producer)
     for region in program.regions:
       # A loop's stacked outputs are allocated before its first iteration; a value made
       # outside a loop and read in its body lives until the loop ends.
@@ -125,15 +125,16 @@ class ProgramLiveness:
     self.fixed_input = np.nonzero(self.buffer_kind[self.fixed] == 0)[0]
     self.folding = folding
     if folding is not None:
-      weight = folding.value_weight[self.buffers]
+      self.fold = fold = folding.buffers(work.last_run)
+      weight = fold.value_weight[self.buffers]
       self.many = np.nonzero(weight > 1)[0]              # buffers standing for several
       self.many_values, self.many_extra = self.buffers[self.many], weight[self.many] - 1
       self.many_temp = np.nonzero(self.buffer_kind[self.many] == 2)[0]
       self.many_input = np.nonzero(self.buffer_kind[self.many] == 0)[0]
       self.sides = []
       for side in (0, 1):   # the last middle layer, the first
-        made = folding.made_in[self.many_values, side]
-        dropped = folding.dropped_in[self.many_values, side]
+        made = fold.made_in[self.many_values, side]
+        dropped = fold.dropped_in[self.many_values, side]
         s = np.where(made >= 0, made + side, self.start[self.many])   # made before or after it
         e = np.where(dropped >= 0, dropped + side - 1, self.end[self.many])   # dropped likewise
         e = np.maximum(e, s - 1)
@@ -271,7 +272,7 @@ def memory(live: ProgramLiveness, divisors: np.ndarray, copies, staged,
       temp_peak = max(temp_peak, np.cumsum(temp_delta + np.bincount(
           side.temp_index, np.concatenate([more_temp, -more_temp]), minlength=n))[: n - 1].max())
     argument_bytes += more[live.many_input].sum()
-    outputs = outputs * live.folding.value_weight[live.outputs]
+    outputs = outputs * live.fold.value_weight[live.outputs]
   which = int(np.argmax([t.max() for t in totals]))
   point = int(np.argmax(totals[which]))
   # What is live at the peak, by category.

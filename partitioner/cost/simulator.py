@@ -160,7 +160,7 @@ class Simulator:
     self.op_weight = weight      # per op: how many times a step runs it (None: once)
     self.hardware = hw = load_hardware(hardware)
     self.placement = Placement(mesh, self.hardware, order)
-    self.work = work = ProgramWork.of(program)
+    self.work = work = ProgramWork.of(program, hw.fusion)
     self.liveness = ProgramLiveness(program, work, donate, folding)
     self.divisors = Divisors(program, mesh.sizes)
     self.rate = np.array([hw.flops(w.dtype) * hw.efficiency[_EFF[w.kind]] for w in work.work])

@@ -27,6 +27,9 @@ from partitioner.errors import ShardzeroError
 
 SIZES = Sizes(256, 512, 128)
 TASK = Task("mlp:mini", "batch=4,model=2")
+# A task where a plain search beats every expert: an MLP at batch 1024 on batch=8,model=2 wants
+# Megatron over batch and ZeRO-2 over model, where the best expert is Megatron over both.
+SEARCH_WINS = Task("mlp:mini,batch=1024", "batch=8,model=2")
 
 
 class _Fixed:
@@ -148,8 +151,9 @@ def test_return_adder_records_returns_to_go_and_policy_targets(env, target):
 
 
 @pytest.mark.parametrize("search", [0, 32])
-def test_demonstration_episodes_replay_the_best_known_strategy_with_one_hot_targets(env, search):
+def test_demonstration_episodes_replay_the_best_known_strategy_with_one_hot_targets(search):
   from agents.alphazero.demonstrations import demonstration_moves
+  env = PartitioningEnv(SEARCH_WINS, config=EnvConfig(max_steps=6), pad_to=SIZES)
   # A loose rate limiter: the whole demonstration is written before anything is sampled.
   builder = make_builder("alphazero", dict(simulations=4, min_replay_size=1, batch_size=8,
                                            samples_per_insert=1.0, demonstrations=1.0,
@@ -220,11 +224,10 @@ def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
 
 
 def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
-  """Where a plain search beats every expert (an MLP on batch=4,model=2 wants Megatron over
-  its batch axis too), the demonstration is the search's plan, without the moves that gain
-  less than PRUNE_TOLERANCE of the step."""
+  """Where a plain search beats every expert, the demonstration is the search's plan, without
+  the moves that gain less than PRUNE_TOLERANCE of the step."""
   from agents.alphazero.demonstrations import PRUNE_TOLERANCE, _score_of, demonstration_moves
-  env = PartitioningEnv(TASK)
+  env = PartitioningEnv(SEARCH_WINS)
   env.reset()
   score = lambda moves: _score_of(env, moves)    # None where a move is not legal
   expert = demonstration_moves(env)

@@ -381,7 +381,7 @@ def test_train_variants_demonstrate_more_strategy_families():
   assert best["gpt:mini"].name == "zero2"
   assert best["gpt:mini,batch=4"].name == "dp+megatron+vocab"
   assert 0 < best["resnet:mini"].score < best["resnet:mini,batch=1024"].score   # more per byte
-  assert best["resnet:mini,batch=1024"].name == "dp"
+  assert best["resnet:mini,batch=1024"].name == "hsdp"   # data parallel, gradients sharded
 
 
 def test_parse_bytes():

@@ -1,0 +1,143 @@
+"""Fused kernels: which ops run as one kernel, and so which values never reach HBM.
+
+A hardware names one of two models (`Hardware.fusion`), each fitted to what XLA does there:
+
+- `consecutive` (XLA:CPU, `docs/validation.md`'s CPU tables): runs of fusible ops that are
+  consecutive in the order ops run, joined by values passed inside the run.
+- `producer` (XLA:GPU, measured on an H100 from the kernels of XLA's optimised programs): an
+  elementwise or shape op fuses into the ops that read its result when all of them can fuse it,
+  wherever they run. A result read by several kernels is recomputed in each (XLA duplicates it)
+  unless that re-reads more bytes than writing it once and reading it in each kernel; then it is
+  stored, as XLA's priority fusion decides. Reductions end a kernel; a kernel runs where its last
+  op (its root) runs.
+
+Either way a value is `internal` (passed inside a kernel) only if every reader is in a kernel
+that makes it; a fused op read by several kernels reads its own operands once in each
+(`copies`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+  from partitioner.ir import Program
+
+MODELS = ("consecutive", "producer")
+
+
+class Kernels(NamedTuple):
+  group: np.ndarray      # per op: its kernel (the first, if recomputed in several), in run order
+  groups: int            # how many kernels
+  internal: np.ndarray   # per value: passed inside kernels, never stored
+  copies: np.ndarray     # per op: how many kernels compute it (reads its operands)
+  read_scale: np.ndarray  # per op: the share of its operands' bytes it reads, in all copies
+  last_run: np.ndarray   # per op: the program position of the last kernel that computes it
+
+
+def kernels(program: Program, order: Sequence[int], fusible: Sequence[bool],
+            is_reduce: Sequence[bool], read_scale: np.ndarray, model: str) -> Kernels:
+  if model == "consecutive":
+    return _consecutive(program, order, fusible, is_reduce, read_scale)
+  if model == "producer":
+    return _producer(program, order, fusible, is_reduce, read_scale)
+  raise ValueError(f"unknown fusion model {model!r}; known: {', '.join(MODELS)}")
+
+
+def _consecutive(program, order, fusible, is_reduce, read_scale) -> Kernels:
+  """A value stays in a kernel when a fusible op makes it and all its readers are in the same
+  kernel; reductions end a kernel (their result is needed whole before it is used), and a value
+  a reduction reads stays in memory if anything else reads it too (softmax's exp)."""
+  ops, users = program.ops, program.users
+  outputs = set(program.outputs)
+  candidate = np.zeros(len(program.values), bool)
+  for op in ops:
+    if fusible[op.index] and not is_reduce[op.index]:
+      for v in op.outputs:
+        readers = users[v]
+        candidate[v] = (v not in outputs and bool(readers) and
+                        all(fusible[u] for u in readers) and
+                        not (len(readers) > 1 and any(is_reduce[u] for u in readers)))
+  producer = [v.producer for v in program.values]
+  group, current, previous = [0] * len(ops), -1, -1
+  region = _regions(program)
+  for i in order:
+    joins = (fusible[i] and current >= 0 and previous >= 0 and fusible[previous] and
+             region[i] == region[previous] and
+             any(candidate[v] and group[producer[v]] == current for v in ops[i].inputs
+                 if producer[v] is not None))
+    if not joins:
+      current += 1
+    group[i] = current
+    previous = i
+  internal = np.zeros(len(program.values), bool)
+  for v in np.nonzero(candidate)[0]:
+    g = group[producer[v]]
+    internal[v] = all(group[u] == g for u in users[v])
+  n = len(ops)
+  return Kernels(np.array(group, np.int64), current + 1, internal, np.ones(n),
+                 np.asarray(read_scale, np.float64), np.arange(n, dtype=np.int64))
+
+
+def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:
+  ops, values, users = program.ops, program.values, program.users
+  original = read_scale
+  outputs = set(program.outputs)
+  region = _regions(program)
+  producer = np.array([-1 if v.producer is None else v.producer for v in values], np.int64)
+  nbytes = np.array([v.nbytes for v in values], np.float64)
+  internal = np.zeros(len(values), bool)
+  # A bitcast (scale 0) moves nothing stored alone; fused into a kernel, that kernel reads its
+  # operand.
+  read_scale = np.where(np.asarray(read_scale) == 0, 1.0, read_scale)
+  # What a kernel reads to compute an op inside it: its stored operands and, for operands
+  # computed inside the kernel too, what those read.
+  reads = np.zeros(len(ops))
+  for op in ops:
+    i = op.index
+    reads[i] = sum(reads[producer[v]] if internal[v] else nbytes[v] * read_scale[i]
+                   for v in op.inputs)
+    if not fusible[i] or is_reduce[i]:
+      continue
+    for v in op.outputs:
+      readers = set(users[v])
+      fuses = (v not in outputs and bool(readers) and
+               all(fusible[u] and region[u] == region[i] for u in readers))
+      if fuses and len(readers) > 1:   # recomputed in each reader, or stored once
+        fuses = reads[i] * len(readers) <= nbytes[v] * (1 + len(readers))
+      internal[v] = fuses
+  roots = [op.index for op in ops
+           if not fusible[op.index] or not op.outputs or
+           not all(internal[v] for v in op.outputs)]
+  position = np.empty(len(ops), np.int64)
+  position[np.asarray(order, np.int64)] = np.arange(len(ops))
+  roots.sort(key=lambda r: position[r])
+  group = np.full(len(ops), -1, np.int64)
+  copies = np.zeros(len(ops))
+  last_run = np.arange(len(ops), dtype=np.int64)
+  for k, root in enumerate(roots):
+    seen, stack = set(), [root]
+    while stack:
+      i = stack.pop()
+      if i in seen:
+        continue
+      seen.add(i)
+      copies[i] += 1
+      if group[i] < 0:
+        group[i] = k
+      last_run[i] = max(last_run[i], root)
+      stack.extend(int(producer[v]) for v in ops[i].inputs if internal[v])
+  # An op that no kernel reads (its results unused) still runs once, on its own.
+  for i in np.nonzero(group < 0)[0]:
+    group[i], copies[i] = len(roots), 1
+  groups = len(roots) + int((group == len(roots)).any())
+  copies = np.maximum(copies, 1)
+  stored = np.array([not op.outputs or not all(internal[v] for v in op.outputs) for op in ops])
+  scale = np.where(stored & (np.asarray(original) == 0), 0.0, read_scale) * copies
+  return Kernels(group, groups, internal, copies, scale, last_run)
+
+
+def _regions(program: Program):
+  return program.region_of if program.regions else np.full(len(program.ops), -1)
