@@ -39,3 +39,37 @@ def test_export_measure_render_round_trip(tmp_path):
   assert row["step_s"] > 0 and row["xla_footprint"] > 0, row
   text = gpu_step_times.render(gpu_step_times.join(tmp_path, measured))
   assert "| mlp:small |" in text and "geometric mean" in text
+
+
+def test_a_trace_splits_matmul_kernels_from_the_rest_per_step():
+  times = {"runs": 2, "lines": {"/device:GPU:0 Stream #14": {
+      "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32": [4, 6e6],
+      "gemm_fusion_dot_31": [2, 2e6],                       # XLA's Triton GEMM
+      "sm90_xmma_fprop_implicit_gemm_f32f32": [2, 1e6],     # a cuDNN convolution
+      "loop_convert_fusion": [6, 3e6],                      # not a convolution
+      "input_reduce_fusion_8": [2, 1e6]}}}
+  summary = gpu_step_times.trace_summary(times)
+  assert summary == {"kernels": 8, "matmul_s": 4.5e-3, "other_s": 2e-3}
+
+
+def test_the_table_shows_the_trace_beside_the_prediction_and_repredicts(tmp_path):
+  predicted = {"step_s": 2e-3, "compute_s": 2e-3, "flops": 1e9, "hbm_bytes": 1e6,
+               "peak_bytes": 10, "argument_bytes": 5, "matmul_kernels_s": 1e-3,
+               "other_kernels_s": 1e-3, "kernels": 12}
+  measured = {"step_s": 4e-3, "xla_bytes_accessed": 2e6, "xla_footprint": 20,
+              "trace": {"kernels": 9, "matmul_s": 1.5e-3, "other_s": 2e-3}}
+  table = {"device": "a GPU", "jax": "0.0", "ceilings": {"copy_tb_s": 1.0},
+           "rows": [{"model": "mlp:small", "ops": 1, "hardware": "h100",
+                     "predicted": predicted, "measured": measured},
+                    {"model": "hf_gpt2:mini", "ops": 1, "hardware": "h100",
+                     "predicted": predicted, "measured": dict(measured, trace=None)}]}
+  text = gpu_step_times.render(table)
+  assert "| mlp:small | 4.00 | 2.00 | 0.50 | 1.0 / 1.5 | 1.0 / 2.0 | 12 / 9 |" in text
+  assert "| hf_gpt2:mini | 4.00 | 2.00 | 0.50 | 1.0 / n/a | 1.0 / n/a | 12 / n/a |" in text
+  assert gpu_step_times.NOTES["hf_gpt2:mini"] in text
+  path = tmp_path / "table.json"
+  path.write_text(json.dumps(table))
+  again = gpu_step_times.repredict(path)
+  assert again["rows"][0]["measured"] == measured          # the measurements stand
+  assert 0 < again["rows"][0]["predicted"]["flops"] != 1e9   # the simulator's own figures
+  assert again["rows"][0]["predicted"]["kernels"] > 0
