@@ -198,7 +198,11 @@ def render_memory(rows) -> str:
 # What XLA's buffer assignment (XLA_FLAGS=--xla_dump_to=DIR) showed for the cases still more
 # than 10% apart; kept by hand, so re-read it when the table moves.
 MEMORY_DIFFERENCES = """Where the two differ by more than 10%, or the prediction is more than 5% under, XLA's buffer
-assignment shows why:
+assignment shows why. Part of XLA's figure is no value at all: its temporaries share one
+buffer, packed by a heap simulator, and what the packing leaves unused counts in the
+footprint. The bytes live at XLA's peak (its buffer assignment's "Live ranges at N (peak)")
+are below the footprint by 0.3 MiB on the MLP's dp, 0.6 MiB on t5, 1.35 MiB on gnn's
+dp+megatron, 2.4-5.3 MiB on hf_t5 and under 0.1 MiB on the other cases below.
 
 - Over-predicted, unet (1.33-1.38): the simulator keeps 20.2 MiB of activations for the
   backward pass where XLA's whole temporary space is 17.6 MiB; XLA recomputes the GroupNorm
@@ -212,14 +216,20 @@ assignment shows why:
   (copy insertion). Under dp+megatron XLA also all-gathers a (2048, 256) relu input over
   `model` to form relu's mask, a collective the plan does not have (2 MiB per device, half
   the gap); sharding constraints on every operand of the ops involved do not stop it.
-- Under-predicted, hf_t5 (0.82-0.86). Under dp, XLA:CPU's copy insertion copies the donated
-  weights at the start of the step and keeps the copies until the backward pass ends (14.0
-  MiB of `copy` buffers at the peak, about every weight once; the gap is 13.5 MiB), the same
-  mechanism as the MLP's. Under zero3, where the copies are of shards and small, 10 MiB
-  remain unexplained: XLA's peak holds 6 MiB of ReLU-backward selects (`compare_select`
-  fusions, two of them made some 400 to 500 positions of its schedule before they are read)
-  and 5 MiB of ReLU outputs, next to the residuals the simulator also keeps. dp+megatron is
-  not checked.
+- Under-predicted, hf_t5 (0.82-0.86; against the live bytes at XLA's peak 0.85-0.91). Under
+  dp, XLA:CPU's copy insertion copies the donated weights at the start of the step and keeps
+  the copies until the backward pass ends (14.0 MiB of `copy` buffers at the peak, about
+  every weight once), the same mechanism as the MLP's. Under zero3 and dp+megatron, where
+  the copies are of shards and small, XLA's peak holds 6 MiB of ReLU-backward selects
+  (`compare_select` fusions, f32, of the feed-forward width; two of them made some 400 to 500
+  positions of its schedule before they are read) next to the ReLU outputs and residuals the
+  simulator also keeps: that is 6 of zero3's 7.9 MiB of live gap. Under dp+megatron (16.4
+  MiB of live gap), counting the encoder's 2 MiB buffers at each peak by the op that makes
+  them: XLA keeps the four all-reduced row-parallel outputs as buffers of their own next to
+  the residual sums made from them (8 MiB), two ReLU-backward selects (4 MiB), one more
+  residual sum and one more pre-activation (4 MiB), and fuses two log-softmax subtractions
+  that the simulator keeps (-4 MiB); the decoder's 1 MiB buffers add the same pattern at
+  half the size (4 MiB).
 - Under-predicted by 7-10%, vit (dp, zero3) and gpt (zero3). XLA:CPU rewrites a reduction over
   more than 32 elements into a reduce-window of 32 and a reduce (its tree-reduction rewrite,
   for accuracy). The elementwise product that feeds the reduction is then not fused into it:
@@ -233,13 +243,16 @@ assignment shows why:
   residual and that gradient are live together (0.75 MiB each). In program order the
   simulator frees the residual first. The simulator's liveness follows the traced program's
   order; XLA's scheduler is free to reorder.
-- Under-predicted by 6-8%, t5:small (dp, zero3): not explained yet. Its peak has no extra
-  product; the gap is 0.8 MiB of 9.4.
+- Under-predicted by 6-8%, t5:small (dp, zero3): the heap packing. The bytes live at XLA's
+  peak are 11.25 and 8.81 MiB against the predicted 11.17 and 8.61 (0.99 and 0.98); the
+  rest of the footprint (0.6 MiB in both) is what the packing of the temporary buffer
+  leaves unused.
 
-Apart from t5:small, these under-predictions come from XLA:CPU's copy insertion, fusion and
-scheduling choices that the traced program does not fix. None of them is a value the
-simulator forgets. Modelling them would be modelling XLA:CPU (a fusion model per backend is
-still to do).
+These under-predictions come from XLA:CPU's copy insertion, fusion, scheduling and buffer
+packing choices that the traced program does not fix. None of them is a value the simulator
+forgets. The simulator's fusion model is per hardware (`partitioner/cost/fusion.py`): the
+`cpu` hardware these rows use keeps run-order fusion, fitted to these tables; GPUs and TPUs
+fuse as XLA:GPU does (the GPU tables below).
 
 Before deferred partial sums and the ZeRO-3 optimization barrier (cost model 3) XLA's CSE
 merged the forward and backward gathers of every ZeRO-3 parameter and kept them alive for the
