@@ -83,15 +83,15 @@ def _consecutive(program, order, fusible, is_reduce, read_scale) -> Kernels:
 
 def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:
   ops, values, users = program.ops, program.values, program.users
-  original = read_scale
   outputs = set(program.outputs)
   region = _regions(program)
   producer = np.array([-1 if v.producer is None else v.producer for v in values], np.int64)
   nbytes = np.array([v.nbytes for v in values], np.float64)
   internal = np.zeros(len(values), bool)
-  # A bitcast (scale 0) moves nothing stored alone; fused into a kernel, that kernel reads its
+  # A bitcast (scale 0) moves nothing on its own; fused into a kernel, that kernel reads its
   # operand.
-  read_scale = np.where(np.asarray(read_scale) == 0, 1.0, read_scale)
+  bitcast = np.asarray(read_scale) == 0
+  read_scale = np.where(bitcast, 1.0, read_scale)
   # What a kernel reads to compute an op inside it: its stored operands and, for operands
   # computed inside the kernel too, what those read.
   reads = np.zeros(len(ops))
@@ -129,14 +129,12 @@ def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:
         group[i] = k
       last_run[i] = max(last_run[i], root)
       stack.extend(int(producer[v]) for v in ops[i].inputs if internal[v])
-  # An op that no kernel reads (its results unused) still runs once, on its own.
-  for i in np.nonzero(group < 0)[0]:
-    group[i], copies[i] = len(roots), 1
-  groups = len(roots) + int((group == len(roots)).any())
-  copies = np.maximum(copies, 1)
-  stored = np.array([not op.outputs or not all(internal[v] for v in op.outputs) for op in ops])
-  scale = np.where(stored & (np.asarray(original) == 0), 0.0, read_scale) * copies
-  return Kernels(group, groups, internal, copies, scale, last_run)
+  # Every op is in a kernel: a result is internal only if all its readers fuse it, so chains
+  # of internal results end at a root.
+  stored = np.zeros(len(ops), bool)
+  stored[roots] = True
+  return Kernels(group, len(roots), internal, copies,
+                 np.where(stored & bitcast, 0.0, read_scale) * copies, last_run)
 
 
 def _regions(program: Program):
