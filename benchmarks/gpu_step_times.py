@@ -190,10 +190,7 @@ def kernel_times(jax, compiled, args, runs: int = 3) -> dict:
       for _ in range(runs):
         jax.block_until_ready(compiled(*args))
     xspace = next(Path(logdir).glob("**/*.xplane.pb")).read_bytes()
-  try:
-    from jax.profiler import ProfileData
-  except ImportError:
-    from xprof.profile_data import ProfileData   # where newer releases keep it
+  from jax.profiler import ProfileData   # not in the pinned 0.4.34; 0.10 and 0.11 have it
   lines: dict = {}
   for plane in ProfileData.from_serialized_xspace(xspace).planes:
     if not plane.name.startswith("/device:"):

@@ -17,7 +17,7 @@ from dm_env import specs
 
 from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
 from partitioner import roles as R
-from partitioner.cost.compute import REDUCTIONS, ProgramWork
+from partitioner.cost.compute import REDUCTIONS, OpWork, op_work
 from partitioner.cost.hardware import Hardware
 from partitioner.errors import WorkloadError
 from partitioner.ir import Program
@@ -174,7 +174,7 @@ def dynamic_features(cost, start_step_time_s: float, budget: int, progress: floa
                   np.float32)
 
 
-def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
+def program_features(program: Program, work: list[OpWork], roles) -> np.ndarray:
   """What kind of model this is: shares of its ops and FLOPs by kind, its sizes, and its FLOPs
   per parameter byte. Averaged node embeddings blur this (a few convolutions or attention
   matmuls among thousands of elementwise ops), and it is what decides between families of
@@ -183,8 +183,8 @@ def program_features(program: Program, work: ProgramWork, roles) -> np.ndarray:
   parallelism wins."""
   ops, values = program.ops, program.values
   n = max(len(ops), 1)
-  kinds = [w.kind for w in work.work]
-  flops = np.array([w.flops for w in work.work], np.float64)
+  kinds = [w.kind for w in work]
+  flops = np.array([w.flops for w in work], np.float64)
   total = max(flops.sum(), 1.0)
   is_kind = lambda k: np.array([x == k for x in kinds], bool)
   matmul, conv = is_kind("matmul"), is_kind("conv")
@@ -226,14 +226,14 @@ class StaticGraph:
     roles = R.roles(program)
     for r, ids in zip(ROLES, (roles.weights, roles.opt_state, roles.data)):
       role.update({v: r for v in ids})
-    work = ProgramWork.of(program)
+    work = op_work(program)
     outputs = set(program.outputs)
     for v in values:
       kind[v.id] = 1 if v.producer is None else KIND_IDS.get(ops[v.producer].name, 2)
       row = feats[v.id]
       for d, size in enumerate(v.shape):
         row[min(d, MAX_RANK - 1)] += _log(size, 20)
-      flops = work.work[v.producer].flops if v.producer is not None else 0
+      flops = work[v.producer].flops if v.producer is not None else 0
       row[MAX_RANK:MAX_RANK + 7] = (v.rank / MAX_RANK, v.dtype.itemsize / 8, _log(v.nbytes, 40),
                                     _log(flops, 60), v.producer is None, v.id in outputs,
                                     v.is_const)

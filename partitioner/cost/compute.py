@@ -66,13 +66,20 @@ def _work(op, program) -> OpWork:
   return OpWork(0.0, "memory", dtype, -1)
 
 
+@per_program
+def op_work(program: Program) -> list[OpWork]:
+  """Each op's global work, which neither the sharding nor the hardware changes."""
+  return [_work(op, program) for op in program.ops]
+
+
 class ProgramWork:
-  """What the cost of a program depends on that no sharding changes; computed once."""
+  """What the cost of a program on a hardware's fusion depends on that no sharding changes;
+  computed once."""
 
   def __init__(self, program: Program, fusion: str = "consecutive"):
     self.program = program
     ops = program.ops
-    self.work = [_work(op, program) for op in ops]
+    self.work = op_work(program)
     self.producer = np.array([-1 if v.producer is None else v.producer for v in program.values],
                              np.int64)
     self.order = _run_order(program)

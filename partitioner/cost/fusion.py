@@ -12,8 +12,8 @@ A hardware names one of two models (`Hardware.fusion`), each fitted to what XLA 
   op (its root) runs.
 
 Either way a value is `internal` (passed inside a kernel) only if every reader is in a kernel
-that makes it; a fused op read by several kernels reads its own operands once in each
-(`copies`).
+that makes it; a fused op computed in several kernels reads its own operands once in each
+(its `read_scale` counts them).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class Kernels(NamedTuple):
   group: np.ndarray      # per op: its kernel (the first, if recomputed in several), in run order
   groups: int            # how many kernels
   internal: np.ndarray   # per value: passed inside kernels, never stored
-  copies: np.ndarray     # per op: how many kernels compute it (reads its operands)
   read_scale: np.ndarray  # per op: the share of its operands' bytes it reads, in all copies
   last_run: np.ndarray   # per op: the program position of the last kernel that computes it
 
@@ -77,7 +76,7 @@ def _consecutive(program, order, fusible, is_reduce, read_scale) -> Kernels:
     g = group[producer[v]]
     internal[v] = all(group[u] == g for u in users[v])
   n = len(ops)
-  return Kernels(np.array(group, np.int64), current + 1, internal, np.ones(n),
+  return Kernels(np.array(group, np.int64), current + 1, internal,
                  np.asarray(read_scale, np.float64), np.arange(n, dtype=np.int64))
 
 
@@ -133,7 +132,7 @@ def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:
   # of internal results end at a root.
   stored = np.zeros(len(ops), bool)
   stored[roots] = True
-  return Kernels(group, len(roots), internal, copies,
+  return Kernels(group, len(roots), internal,
                  np.where(stored & bitcast, 0.0, read_scale) * copies, last_run)
 
 

@@ -267,11 +267,11 @@ def test_program_features_tell_model_families_apart():
   """The globals say what kind of model it is: convolution FLOPs, attention (batched) matmuls."""
   from environments.observations import MAX_AXES, program_features
   from partitioner import roles
-  from partitioner.cost.compute import ProgramWork
+  from partitioner.cost.compute import op_work
 
   def features(model):
     program = load_program(model)
-    return program_features(program, ProgramWork.of(program), roles.roles(program))
+    return program_features(program, op_work(program), roles.roles(program))
   conv, attention, mlp = features("resnet:mini"), features("gpt:mini"), features("mlp:mini")
   assert conv[5] > 0.9 and attention[5] == mlp[5] == 0              # conv share of FLOPs
   assert attention[4] > 0.9 and mlp[4] > 0.9 and conv[4] < 0.1      # matmul share of FLOPs
