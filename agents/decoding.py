@@ -24,18 +24,37 @@ class TrainedPolicy(NamedTuple):
   run_dir: str
 
 
+def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
+  """Plays `choose(observation)` from `env`'s state in a clone until the episode ends, then
+  plays in `env` the prefix of that line whose state scores best (the earliest of equals) and
+  finishes. The environment costs every state it passes through, so this costs no simulation;
+  it undoes the trailing actions a policy takes on meshes larger than it was trained on (a
+  data-parallel tiling over the model axis after Megatron)."""
+  if env.done:
+    return
+  start, line = len(env.history), env.clone()
+  best, best_score = 0, line.score()
+  observation, done = line.observation(), False
+  while not done:
+    ts = line.step(choose(observation))
+    observation, done = ts.observation, ts.last()
+    if line.score() > best_score + 1e-12:
+      best, best_score = len(line.history) - start, line.score()
+  for a in line.history[start:start + best]:
+    env.step(a)
+  if not env.done:
+    env.step(env.finish_action)
+
+
 def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
-  """`decode(env, params)`: plays the most likely legal action from `env`'s current state
-  until the episode ends. One compilation per observation size bucket, shared by every call."""
+  """`decode(env, params)`: the policy's most likely legal action at each state, until it
+  finishes, stopped where that line was best (`play_best_prefix`). One compilation per
+  observation size bucket, shared by every call."""
   policy = make_policy(networks, evaluation=True)
   key = jax.random.PRNGKey(0)
 
   def decode(env, params) -> None:
-    done, observation = env.done, env.observation()
-    while not done:
-      action, _, _ = policy(params, key, observation)
-      ts = env.step(int(action))
-      observation, done = ts.observation, ts.last()
+    play_best_prefix(env, lambda observation: int(policy(params, key, observation)[0]))
 
   decode.policy = policy
   return decode
@@ -44,11 +63,11 @@ def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
 def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
                 budget: int = 50) -> tuple[float, int]:
   """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
-  likely legal action until finish), or MCTS with `budget` simulations guided by the policy's
-  prior and value, which also decodes greedily and plays the better of the two (a small search
-  need not pass through the greedy line). Returns (seconds spent deciding and applying,
-  simulations). The first call for a size bucket compiles; the timing is taken after a
-  warm-up call."""
+  likely legal action until finish, kept up to the best state of that line), or MCTS with
+  `budget` simulations guided by the policy's prior and value, which also decodes greedily and
+  plays the better of the two (a small search need not pass through the greedy line). Returns
+  (seconds spent deciding and applying, simulations). The first call for a size bucket
+  compiles; the timing is taken after a warm-up call."""
   from agents.alphazero.networks import make_search_fns
   from agents.search.mcts import MCTSActor
   from agents.search.planning import path_to, play

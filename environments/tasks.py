@@ -205,15 +205,28 @@ def tight_budget(task: Task, fraction: float) -> int:
   return max(1, int(low + fraction * (high - low)))
 
 
+def weak_scaled(model: str, mesh: str, batch_per_device: int | None) -> str:
+  """`model` with a batch of `batch_per_device` examples per device of `mesh` (weak scaling:
+  the work per device stays the same from mesh to mesh); unchanged without one. The appended
+  knob overrides any batch the spec names."""
+  if not batch_per_device:
+    return model
+  from partitioner.mesh import Mesh
+  batch = int(batch_per_device) * Mesh.parse(mesh).device_count
+  return model + ("," if ":" in model else ":") + f"batch={batch}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskDistribution:
   """Tasks drawn uniformly: a model, a mesh, a hardware, and a budget (None: the device's
   memory; a fraction: `tight_budget`, between the smallest expert peak and the data-parallel
-  peak)."""
+  peak). With `batch_per_device`, each model's batch is that many examples per device of the
+  mesh it is drawn with (weak scaling, as users grow a run), whatever batch its spec names."""
   models: tuple[str, ...]
   meshes: tuple[str, ...] = ("batch=8", "batch=4,model=2", "batch=2,model=4")
   hardware: tuple[str, ...] = ("h100",)
   budget_fractions: tuple[float | None, ...] = (None, 0.5)
+  batch_per_device: int | None = None
 
   def __post_init__(self):
     if not self.models or not self.meshes or not self.hardware or not self.budget_fractions:
@@ -221,6 +234,8 @@ class TaskDistribution:
     for f in self.budget_fractions:
       if f is not None and not 0 < f:
         raise WorkloadError(f"budget fractions must be positive, got {f}")
+    if self.batch_per_device is not None and self.batch_per_device < 1:
+      raise WorkloadError(f"batch_per_device must be positive, got {self.batch_per_device}")
 
   @classmethod
   def from_split(cls, split: str, preset: str = "small", **kwargs) -> "TaskDistribution":
@@ -228,9 +243,12 @@ class TaskDistribution:
     import corpus
     return cls(tuple(f"{name}:{preset}" for name in corpus.split(split)), **kwargs)
 
+  def task(self, model: str, mesh: str, hardware: str) -> Task:
+    return Task(weak_scaled(model, mesh, self.batch_per_device), mesh, hardware)
+
   def sample(self, rng: np.random.Generator) -> Task:
     pick = lambda xs: xs[int(rng.integers(len(xs)))]
-    task = Task(pick(self.models), pick(self.meshes), pick(self.hardware))
+    task = self.task(pick(self.models), pick(self.meshes), pick(self.hardware))
     fraction = pick(self.budget_fractions)
     if fraction is None:
       return task
@@ -239,7 +257,7 @@ class TaskDistribution:
   def tasks(self) -> Sequence[Task]:
     """Every (model, mesh, hardware, budget) the distribution draws from."""
     out = []
-    for task in (Task(m, mesh, hw) for m in self.models for mesh in self.meshes
+    for task in (self.task(m, mesh, hw) for m in self.models for mesh in self.meshes
                  for hw in self.hardware):
       out += [task if f is None else dataclasses.replace(task, memory_budget=tight_budget(task, f))
               for f in self.budget_fractions]

@@ -25,7 +25,7 @@ Agents:
   beam[:STEPS]            beam search of width 4 (default 200 environment steps)
   mcts[:SIMS]             Monte-Carlo tree search (default 100 simulations)
   ilp[:SECONDS]           integer program over the actions (HiGHS; default 60 s limit)
-  policy:RUN              a trained policy, greedy decoding
+  policy:RUN              a trained policy, greedy decoding (kept up to the line's best state)
   policy+mcts:RUN[:SIMS]  policy-guided MCTS (default 16 simulations)
 
 Tasks come from --suite (bundled: quick, scales; or a YAML file: see launch/suites.py) or from

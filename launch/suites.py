@@ -35,15 +35,13 @@ def task_group(models, meshes, hardware=("h100",), budgets=("device",),
                batch_per_device=None, preset: str = "mini") -> list[EvalTask]:
   """Every (model, mesh, hardware, budget) of the lists; `batch_per_device` scales each corpus
   model's batch with the mesh."""
-  from partitioner.mesh import Mesh
+  from environments.tasks import weak_scaled
   if isinstance(models, str) or isinstance(meshes, str):
     raise WorkloadError("a suite's models and meshes are lists")
   out = []
   for mesh in meshes:
-    devices = Mesh.parse(mesh).device_count
     for model in expand_models(models, preset):
-      if batch_per_device:
-        model += ("," if ":" in model else ":") + f"batch={int(batch_per_device) * devices}"
+      model = weak_scaled(model, mesh, batch_per_device)
       for hw in hardware:
         out += [EvalTask(model, mesh, hw, check_budget(b)) for b in budgets]
   return out

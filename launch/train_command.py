@@ -99,6 +99,9 @@ def add_parser(sub) -> None:
                  "the train split at --preset with its batch-size variants)")
   p.add_argument("--heldout", help="evaluation models separated by ';' (default: the held-out "
                  "split at --preset)")
+  p.add_argument("--batch-per-device", type=int, help="weak scaling: each training and "
+                 "evaluation model's batch is this many examples per device of its mesh "
+                 "(default: the batch its spec or preset names)")
   p.add_argument("--max-steps", type=int, help="actions per episode; default 12")
   p.add_argument("--checkpoint-every", type=int, help="updates between checkpoints; default 1")
   p.add_argument("--eval-every", type=float, help="seconds between evaluations; default 60")
@@ -152,7 +155,8 @@ def make_config(args):
   changes = {}
   for name, key in (("algorithm", "algorithm"), ("actors", "actors"), ("steps", "steps"),
                     ("preset", "preset"), ("max_steps", "max_steps"), ("seed", "seed"),
-                    ("checkpoint_every", "checkpoint_every"), ("eval_every", "eval_every_s")):
+                    ("checkpoint_every", "checkpoint_every"), ("eval_every", "eval_every_s"),
+                    ("batch_per_device", "batch_per_device")):
     value = getattr(args, name)
     if value is not None:
       changes[key] = value
@@ -169,8 +173,10 @@ def make_config(args):
       raise ShardzeroError(f"--set takes KEY=VALUE, got {item!r}")
     settings[key.strip()] = _parse_value(value.strip())
   config = dataclasses.replace(config, **changes, settings=settings)
-  if config.actors < 1 or config.steps < 0 or config.checkpoint_every < 1:
-    raise ShardzeroError("--actors and --checkpoint-every must be positive, --steps not negative")
+  if config.actors < 1 or config.steps < 0 or config.checkpoint_every < 1 or (
+      config.batch_per_device is not None and config.batch_per_device < 1):
+    raise ShardzeroError("--actors, --checkpoint-every and --batch-per-device must be positive, "
+                         "--steps not negative")
   config.builder()          # unknown settings fail here, before any process starts
   for mesh in config.meshes + (config.eval_mesh,):
     Mesh.parse(mesh)

@@ -25,6 +25,7 @@ class RunConfig:
   budget_fractions: tuple = (None, 0.5)
   eval_mesh: str = "batch=4,model=2"
   max_steps: int = 12                 # actions per episode
+  batch_per_device: int | None = None  # weak scaling: each model's batch grows with its mesh
   steps: int = 100                    # learner updates
   actors: int = 2
   seed: int = 0
@@ -76,16 +77,16 @@ class RunConfig:
     from environments import TaskDistribution
     models = self.models or tuple(corpus.train_models(self.preset))
     return TaskDistribution(models, meshes=self.meshes, hardware=(self.hardware,),
-                            budget_fractions=self.budget_fractions)
+                            budget_fractions=self.budget_fractions,
+                            batch_per_device=self.batch_per_device)
 
   def heldout_tasks(self, tight: bool = False):
     """The held-out models on the evaluation mesh, at the device's memory; with `tight`, at the
     first tight budget fraction the run trains with (none if it trains with none)."""
     import corpus
-    from environments import Task
     from environments.tasks import tight_budget
     models = self.heldout or [f"{name}:{self.preset}" for name in corpus.split("heldout")]
-    tasks = [Task(model, self.eval_mesh, self.hardware) for model in models]
+    tasks = [self._eval_task(model) for model in models]
     if not tight:
       return tasks
     fractions = [f for f in self.budget_fractions if f is not None]
@@ -95,5 +96,11 @@ class RunConfig:
   def train_eval_tasks(self):
     """The training models on the evaluation mesh: what the policy learned from, as a
     reference for how well it transfers to the held-out models."""
+    return [self._eval_task(model) for model in self.train_tasks().models]
+
+  def _eval_task(self, model: str):
+    """`model` on the evaluation mesh, its batch scaled as the training tasks' are."""
     from environments import Task
-    return [Task(model, self.eval_mesh, self.hardware) for model in self.train_tasks().models]
+    from environments.tasks import weak_scaled
+    return Task(weak_scaled(model, self.eval_mesh, self.batch_per_device), self.eval_mesh,
+                self.hardware)

@@ -367,6 +367,28 @@ def test_task_distribution_from_split_and_budgets():
     TaskDistribution(("mlp:small",), budget_fractions=(0.0,))
 
 
+def test_weak_scaled_distributions_grow_the_batch_with_the_mesh():
+  """Training with `batch_per_device` pairs each model with a batch of that many examples per
+  device of its mesh, as `shardzero evaluate --batch-per-device` does; the run's evaluation
+  tasks follow."""
+  from learners.run_config import RunConfig
+  dist = TaskDistribution(("gpt:mini", "mlp:mini,batch=4096"),
+                          meshes=("batch=4,model=2", "batch=16,model=4"),
+                          budget_fractions=(None,), batch_per_device=2)
+  assert [t.model for t in dist.tasks()] == [
+      "gpt:mini,batch=16", "gpt:mini,batch=128", "mlp:mini,batch=4096,batch=16",
+      "mlp:mini,batch=4096,batch=128"]
+  import corpus
+  assert corpus.parse(dist.tasks()[3].model)[1].batch == 128    # the last batch knob wins
+  with pytest.raises(WorkloadError, match="positive"):
+    TaskDistribution(("mlp:small",), batch_per_device=0)
+  config = RunConfig(models=("gpt:mini",), heldout=("t5:mini",), meshes=dist.meshes,
+                     eval_mesh="batch=4,model=2", batch_per_device=2)
+  assert config.train_tasks().sample(np.random.default_rng(0)).model.startswith("gpt:mini,batch=")
+  assert [t.model for t in config.heldout_tasks()] == ["t5:mini,batch=16"]
+  assert [t.model for t in config.train_eval_tasks()] == ["gpt:mini,batch=16"]
+
+
 def test_train_variants_demonstrate_more_strategy_families():
   import corpus
   from agents.search.expert import best_expert

@@ -48,6 +48,8 @@ CASES = [  # (argv with {tmp}, what the one line says)
      "learning_rate takes a float"),
     (["train", "--run-dir", "{tmp}/r3", "--set", "batch_size=2.5"], "batch_size takes an int"),
     (["train", "--run-dir", "{tmp}/r4", "--set", "learning_rate"], "--set takes KEY=VALUE"),
+    (["train", "--run-dir", "{tmp}/r9", "--batch-per-device", "0"],
+     "--batch-per-device must be positive"),
     (["partition", "mlp:small", "--mesh", "batch=8", "--tactics", "BatchParallel(batch"],
      "cannot parse tactic"),
     (["partition", "gpt:small,wings=3", "--mesh", "batch=8", "--tactics", "BatchParallel(batch)"],
