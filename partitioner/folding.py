@@ -68,8 +68,7 @@ class Folding(NamedTuple):
       late = last_run is not None and any(
           middle[r] and not middle[last_run[r]] for r in readers)
       if last_run is not None:
-        readers = sorted(set(readers) | {int(last_run[r]) for r in readers}) \
-            if any(last_run[r] != r for r in readers) else readers
+        readers = sorted(set(readers) | {int(last_run[r]) for r in readers})
       producer = three.values[v].producer
       if v in outputs or not readers:   # every middle layer makes one, kept to the end
         stands = v in outputs and producer is not None and middle[producer]

@@ -76,7 +76,7 @@ class ProgramWork:
   """What the cost of a program on a hardware's fusion depends on that no sharding changes;
   computed once."""
 
-  def __init__(self, program: Program, fusion: str = "consecutive"):
+  def __init__(self, program: Program, fusion: str):
     self.program = program
     ops = program.ops
     self.work = op_work(program)
@@ -109,7 +109,7 @@ class ProgramWork:
 
   @staticmethod
   @per_program
-  def of(program: Program, fusion: str = "consecutive") -> "ProgramWork":
+  def of(program: Program, fusion: str) -> "ProgramWork":
     return ProgramWork(program, fusion)
 
 
