@@ -36,6 +36,9 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("zero3", "fully sharded data parallel (ZeRO-3 / FSDP)", _zero(3), False),
     Strategy("hsdp", "data parallel over every axis, FSDP only over the model axis (hybrid)",
              lambda d, m: _bp((*d, m)) + [f"ZeRO({m}, stage=3)"]),
+    Strategy("hzero2", "data parallel over every axis, optimizer state and gradients sharded "
+             "only over the model axis (hybrid ZeRO-2: reduce-scatters stay inside a node)",
+             lambda d, m: _bp((*d, m)) + [f"ZeRO({m}, stage=2)"]),
     Strategy("megatron", "Megatron tensor parallel over every axis, batch replicated",
              lambda d, m: [f"Megatron({a})" for a in (*d, m)], False),
     Strategy("dp+megatron", "data parallel x Megatron tensor parallel (2D)",
@@ -56,7 +59,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              lambda d, m: _bp((*d, m)) + [f"ExpertParallel({m})"]),
 )}
 
-_DATA = ("dp", "zero1", "zero2", "zero3", "hsdp")
+_DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
 _TENSOR = ("megatron", "dp+megatron", "dp+megatron+zero1", "dp+megatron+zero3")
 _VOCAB = ("dp+megatron+vocab",)
 

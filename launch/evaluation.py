@@ -21,7 +21,7 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 1, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 3,
+AGENT_VERSIONS = {"expert": 2, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 4,
                   "policy": 3, "policy+mcts": 3}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
@@ -187,6 +187,7 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
                      if s.objective_s else 0.0,
                      "status": s.status, "gap": s.gap, "variables": s.variables,
                      "constraints": s.constraints, "rounds": s.rounds,
+                     "enumerated": s.enumerated,
                      "skipped": len(s.skipped),
                      "build_s": s.build_s, "solve_s": s.solve_s}}
   simulations = getattr(actor, "simulations", len(env.history))

@@ -14,7 +14,11 @@ logs, sharding over two axes is the sum of sharding over each).
 
 What a pairwise model misses (three actions together) is its linearisation error: the solution
 is replayed and costed by the full simulator, actions are dropped from it while that helps,
-and a further round linearises around the state reached while that improves it. Solved with
+and a further round linearises around the state reached while that improves it. Every state
+costed to build the model (one action, a pair, and every triple of manual tactics, which are
+few and interact most) is a plan as well: where one of them beats the solution replayed, the
+round keeps it, as Alpa enumerates outside its ILP what the ILP does not model (there, the
+logical mesh shapes). `Solution.enumerated` counts the rounds this decided. Solved with
 HiGHS through `scipy.optimize.milp`, with a time limit; the MIP gap is reported.
 """
 
@@ -48,6 +52,7 @@ class Solution(NamedTuple):
   variables: int
   constraints: int
   rounds: int                 # solves whose actions were kept
+  enumerated: int             # of those, rounds where a costed state beat the solution
   simulations: int            # one- and two-action states costed to build the models
   build_s: float
   solve_s: float
@@ -121,6 +126,7 @@ class _Round(NamedTuple):
   status: str
   gap: float | None
   size: tuple[int, int]
+  enumerated: bool            # a state costed to build the model beat the solution
   simulations: int
   build_s: float
   solve_s: float
@@ -144,7 +150,7 @@ def solve(env: SearchEnvironment, time_limit_s: float = 60.0, manual: bool = Tru
   return Solution(sum((r.actions for r in kept), ()), sum((r.skipped for r in kept), ()),
                   math.exp(first.objective), math.exp(first.replayed),
                   math.exp(first.memory), first.status, first.gap, *first.size, len(kept),
-                  sum(r.simulations for r in taken), sum(r.build_s for r in taken),
+                  sum(r.enumerated for r in kept), sum(r.simulations for r in taken), sum(r.build_s for r in taken),
                   sum(r.solve_s for r in taken))
 
 
@@ -157,28 +163,40 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
                     if a != ctx.finish and (manual or ctx.actions[a].kind == "tile")),
                    key=lambda a: (_rank(ctx, a), a))
   if steps_left < 2 or not choices:
-    return _Round(env, (), (), t0, t0, m0, "nothing to choose", 0.0, (0, 0), 0, 0.0, 0.0)
+    return _Round(env, (), (), t0, t0, m0, "nothing to choose", 0.0, (0, 0), False, 0,
+                  0.0, 0.0)
   # Node costs: every action alone; edge costs: the legal pairs (in replay order) among the
   # POOL actions that do most for time alone and the POOL // 3 that do most for memory.
   singles = [_after(env, a) for a in choices]
   sims, n = len(choices), len(choices)
   dt = np.array([_serial(e.cost) for e in singles]) - t0
   dm = np.array([_memory(e.cost) for e in singles]) - m0
+  is_manual = np.array([ctx.actions[a].kind != "tile" for a in choices])
   if n > POOL:
     idx = sorted(set(np.argsort(dt, kind="stable")[:POOL].tolist()) |
-                 set(np.argsort(dm, kind="stable")[:POOL // 3].tolist()))
-    choices, singles, dt, dm = ([choices[i] for i in idx], [singles[i] for i in idx],
-                                dt[idx], dm[idx])
+                 set(np.argsort(dm, kind="stable")[:POOL // 3].tolist()) |
+                 set(np.flatnonzero(is_manual).tolist()))
+    choices, singles, dt, dm, is_manual = ([choices[i] for i in idx],
+                                           [singles[i] for i in idx], dt[idx], dm[idx],
+                                           is_manual[idx])
     n = len(choices)
   et, em = np.full((n, n), np.nan), np.full((n, n), np.nan)
+  manual_pairs, costed = {}, min(singles, key=_standing)
   for x in range(n):
     after = set(singles[x].legal_actions().tolist())
     for y in range(x + 1, n):
       if choices[y] in after:
-        pair = _after(singles[x], choices[y]).cost
-        et[x, y] = _serial(pair) - t0 - dt[x] - dt[y]
-        em[x, y] = _memory(pair) - m0 - dm[x] - dm[y]
+        pair = _after(singles[x], choices[y])
+        et[x, y] = _serial(pair.cost) - t0 - dt[x] - dt[y]
+        em[x, y] = _memory(pair.cost) - m0 - dm[x] - dm[y]
+        if is_manual[x] and is_manual[y]:
+          manual_pairs[x, y] = pair
+        costed = min(costed, pair, key=_standing)
   sims += int(np.isfinite(et).sum())
+  best_triple, triples = _best_triple(choices, manual_pairs)
+  sims += triples
+  if best_triple is not None:
+    costed = min(costed, best_triple, key=_standing)
   keep = _candidates(dt, dm, et, em, CANDIDATES)
   build_s = time.perf_counter() - start
   t_solve = time.perf_counter()
@@ -212,8 +230,12 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
     if _standing(trial) >= _standing(best):
       break
     best, kept = trial, kept[:i] + kept[i + 1:]
+  enumerated = _standing(costed) < _standing(best)
+  if enumerated:
+    best = costed
   return _Round(best, best.history[len(env.history):], tuple(skipped), t0 + objective,
-                _serial(whole.cost), m0 + memory, status, gap, size, sims, build_s, solve_s)
+                _serial(whole.cost), m0 + memory, status, gap, size, enumerated, sims, build_s,
+                solve_s)
 
 
 def _replay(env: SearchEnvironment, actions) -> tuple[SearchEnvironment, tuple[int, ...]]:
@@ -225,6 +247,21 @@ def _replay(env: SearchEnvironment, actions) -> tuple[SearchEnvironment, tuple[i
     else:
       skipped.append(a)
   return trial, tuple(skipped)
+
+
+def _best_triple(choices, manual_pairs):
+  """The best state of three manual tactics taken together (in replay order), and how many
+  were costed. Manual tactics interact beyond pairs (`BatchParallel(model)` beside
+  `Megatron(model)` pays off only once the batch axis is data-parallel too), and there are few
+  of them (a dozen or two), so all their legal triples are costed outright."""
+  best, count = None, 0
+  for (x, y), pair in manual_pairs.items():
+    after = set(pair.legal_actions().tolist())
+    for z in range(y + 1, len(choices)):
+      if (x, z) in manual_pairs and (y, z) in manual_pairs and choices[z] in after:
+        triple, count = _after(pair, choices[z]), count + 1
+        best = triple if best is None else min(best, triple, key=_standing)
+  return best, count
 
 
 def _candidates(dt, dm, et, em, count: int) -> np.ndarray:

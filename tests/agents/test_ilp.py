@@ -2,6 +2,7 @@
 schedule replays through the partitioner."""
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 import partitioner as P
 from agents.environment_loop import EnvironmentLoop
 from agents.search.expert import best_expert, evaluate_experts
-from agents.search.ilp import ILPActor, _milp, solve
+from agents.search.ilp import ILPActor, _milp, _standing, solve
 from agents.loggers import InMemoryLogger
 from environments import PartitioningEnv, Task
 from environments.tasks import data_parallel_peak, load_program
@@ -59,6 +60,30 @@ def test_further_rounds_only_ever_lower_the_step_time():
   assert three.actions[:len(one.actions)] == one.actions
   step = lambda s: _play(env, s.actions).cost.step_time_s
   assert step(three) <= step(one) + 1e-15
+
+
+@pytest.mark.slow
+def test_ilp_is_never_behind_a_state_it_costed():
+  # Every one, two or three manual tactics (in replay order) is a state the ILP costs; its
+  # plan is at least as good as the best of them, whatever the pairwise model predicted.
+  env = PartitioningEnv(Task("t5:mini", "batch=4,model=2"))
+  env.reset()
+  manual = [a for a in env.legal_actions()
+            if a != env.finish_action and env.context.actions[a].kind != "tile"]
+  best = min(_standing(s) for k in (1, 2, 3) for combo in itertools.combinations(manual, k)
+             if (s := _legal(env, combo)) is not None)
+  solution = solve(env.clone(), rounds=1)
+  assert _standing(_play(env, solution.actions)) <= best
+  assert solution.rounds == 1 and solution.enumerated in (0, 1)
+
+
+def _legal(env, actions):
+  trial = env.clone()
+  for a in actions:
+    if a not in trial.legal_actions():
+      return None
+    trial.step(a)
+  return trial
 
 
 def _play(env, actions):

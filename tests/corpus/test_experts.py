@@ -41,9 +41,12 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
     assert math.isfinite(report.step_time_s) and report.step_time_s > 0
     times[name] = report
   # Sharding state over more devices never needs more memory for it.
-  for stage in ("zero1", "zero2", "zero3"):
+  for stage in ("zero1", "zero2", "zero3", "hzero2"):
     assert times[stage].memory.breakdown["optimizer_state"] < \
         times["dp"].memory.breakdown["optimizer_state"]
+  # ...and over fewer devices (hybrid: the model axis only), more.
+  assert times["hzero2"].memory.breakdown["optimizer_state"] > \
+      times["zero2"].memory.breakdown["optimizer_state"]
   assert times["zero3"].memory.breakdown["parameters"] < times["dp"].memory.breakdown["parameters"]
 
 
@@ -52,6 +55,7 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
     ("gpt", "dp+megatron+vocab"), ("gpt", "dp+sp"), ("moe", "dp+ep"), ("moe", "gshard"),
     ("t5", "dp+megatron+zero3"), ("resnet", "zero3"), ("gnn", "dp+megatron"),
     ("ssm", "dp+megatron"), ("unet", "hsdp"), ("bert", "zero2"),
+    ("t5", "hzero2"),
 ])
 def test_expert_strategies_run_correctly(family, strategy, programs):
   workload, program = programs(family)
