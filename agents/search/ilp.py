@@ -150,7 +150,8 @@ def solve(env: SearchEnvironment, time_limit_s: float = 60.0, manual: bool = Tru
   return Solution(sum((r.actions for r in kept), ()), sum((r.skipped for r in kept), ()),
                   math.exp(first.objective), math.exp(first.replayed),
                   math.exp(first.memory), first.status, first.gap, *first.size, len(kept),
-                  sum(r.enumerated for r in kept), sum(r.simulations for r in taken), sum(r.build_s for r in taken),
+                  sum(r.enumerated for r in kept), sum(r.simulations for r in taken),
+                  sum(r.build_s for r in taken),
                   sum(r.solve_s for r in taken))
 
 
