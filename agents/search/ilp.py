@@ -194,7 +194,8 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
           manual_pairs[x, y] = pair
         costed = min(costed, pair, key=_standing)
   sims += int(np.isfinite(et).sum())
-  best_triple, triples = _best_triple(choices, manual_pairs)
+  # Triples only where three actions still leave a step to finish, as the MILP's plans do.
+  best_triple, triples = _best_triple(choices, manual_pairs if steps_left > 3 else {})
   sims += triples
   if best_triple is not None:
     costed = min(costed, best_triple, key=_standing)
