@@ -38,6 +38,9 @@ MODELS = [  # realistic widths that fit one 80 GB card without partitioning
     "t5:mini", "moe:mini", "unet:mini", "ssm:mini",
     "hf_gpt2:mini", "hf_gpt2:mini,dtype=bfloat16", "hf_bert:mini,dtype=bfloat16",
     "gpt:125m,batch=8", "vit:base,batch=128",
+    # the per-device share of the `scales` suite's tasks (2 examples per device)
+    "gpt:350m,batch=2", "gpt:1.3b,batch=2", "moe:base,batch=2", "t5:large,batch=2",
+    "ssm:large,batch=2", "unet:base,batch=2",
 ]
 
 
@@ -333,7 +336,20 @@ NOTES = {  # what the trace of XLA's kernels shows where the prediction is far o
         "ms predicted.",
     "ssm:mini":
         "ssm:mini: the scan's body runs as XLA loops, so kernels launch once per time step; the "
-        "predicted launches count a loop body's kernels once per iteration too.",
+        "predicted launches count a loop body's kernels once per iteration too. Inside those "
+        "loops the gaps are short (0.6 us a traced kernel), so the launch cost over-predicts it.",
+    "gpt:350m,batch=2":
+        "gpt:350m, gpt:1.3b and moe:base at 2 examples per device (the per-device share of the "
+        "`scales` suite's tasks; these six rows measured on 2026-11-26, on another H100 whose "
+        "bf16 matmul ceiling read 680.8 TFLOP/s): matmul kernels within 22% of the trace; the "
+        "steps are 24.5, 24.5 and 13.6 ms longer than the GPU's busy time, 7.6 to 8.8 us per "
+        "traced kernel.",
+    "t5:large,batch=2":
+        "t5:large, ssm:large and unet:base at 2 examples per device: the GPU is busy for 49.5, "
+        "36.5 and 10.1 ms of steps of 112.0, 101.0 and 24.6 ms; the rest is the gaps between "
+        "7,069, 17,750 and 1,726 kernels. Without a launch cost (cost model 5) the simulator "
+        "predicted 0.40, 0.19 and 0.19 of these steps, so communication looked 2.5-5x "
+        "heavier beside compute than it is in the suite's regime.",
 }
 
 
@@ -349,7 +365,9 @@ def render(table: dict) -> str:
            "Matmul and other ms: the predicted time of fused kernels that hold a matmul or "
            "convolution and of the rest, next to the GPU time of XLA's matmul and convolution "
            "kernels and of the rest in a profiler trace of the step (n/a: no trace); kernels: "
-           "launches per step, predicted and traced. Bytes: the simulator's HBM traffic at "
+           "launches per step, predicted and traced (the predicted step counts each launch at the "
+           "hardware's `kernel_launch_s`, 4 us on GPUs; the matmul and other columns are the "
+           "kernels' roofline times without it). Bytes: the simulator's HBM traffic at "
            "fused-kernel boundaries over XLA's `bytes accessed` estimate. Memory: the "
            "simulator's peak without donation over XLA's arguments + outputs + temporaries.",
            "",

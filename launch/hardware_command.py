@@ -12,7 +12,9 @@ DESCRIPTION = """\
 List the accelerators the cost model knows (peak FLOP/s, memory, interconnect), or print one
 spec with --show NAME as YAML: save it, edit it, and pass the file to --hardware to describe
 your own machine. Bandwidths are bytes/s per device in one direction; latencies are seconds
-per collective step; node_size devices share the fast (intra) link.
+per collective step; node_size devices share the fast (intra) link; kernel_launch_s is what
+each kernel launch adds to its roofline time (4 us on the GPUs, fitted to H100 traces; 0 where
+not measured).
 """
 
 
@@ -38,10 +40,11 @@ def run(args) -> int:
   gbs = lambda x: f"{x / 1e9:.0f} GB/s"
   rows = [(h.name, tf(h.flops("bfloat16")), tf(h.flops("float32")),
            report.human_bytes(h.hbm_bytes), gbs(h.hbm_bandwidth), h.node_size,
-           f"{h.intra.name} {gbs(h.intra.bandwidth)}", f"{h.inter.name} {gbs(h.inter.bandwidth)}")
+           f"{h.intra.name} {gbs(h.intra.bandwidth)}", f"{h.inter.name} {gbs(h.inter.bandwidth)}",
+           f"{h.kernel_launch_s * 1e6:g} us")
           for h in CATALOG.values()]
   out = report.console()
   out.print(report.table("hardware catalog (per device)",
                          ["name", "bf16 TFLOP/s", "f32 TFLOP/s", "HBM", "HBM bandwidth", "node",
-                          "intra-node", "inter-node"], rows))
+                          "intra-node", "inter-node", "launch"], rows))
   return 0

@@ -164,6 +164,15 @@ class Simulator:
     self.liveness = ProgramLiveness(program, work, donate, folding)
     self.divisors = Divisors(program, mesh.sizes)
     self.rate = np.array([hw.flops(w.dtype) * hw.efficiency[_EFF[w.kind]] for w in work.work])
+    # Per fused kernel: its launches per step (a loop body's once per iteration, a folded
+    # layer's once per layer it stands for; one fusing ops of several weights at a folded
+    # layer's edge, its ops' mean weight, which matches the deep program's count), each
+    # costing the hardware's launch overhead.
+    launches = np.ones(work.groups)
+    if weight is not None:
+      launches = (np.bincount(work.group, weight, minlength=work.groups) /
+                  np.maximum(np.bincount(work.group, minlength=work.groups), 1))
+    self.launch_s = hw.kernel_launch_s * launches
     # Per value: the first place in the run order where an op reads it.
     self.first_read = np.full(len(program.values), _NEVER, np.int64)
     for v, readers in enumerate(program.users):
@@ -251,7 +260,7 @@ class Simulator:
     compute = np.bincount(work.group, flops / self.rate, minlength=work.groups)
     memory_s = np.bincount(work.group, nbytes, minlength=work.groups) / (
         hw.hbm_bandwidth * hw.efficiency["memory"])
-    kernels = np.maximum(compute, memory_s)
+    kernels = np.maximum(compute, memory_s) + self.launch_s
     ready, waits = self._places(a)
     buckets = (self._combine(collectives, a, ready, waits)
                if hw.combine_threshold_bytes and len(collectives) > 1 else None)

@@ -61,6 +61,10 @@ def test_bad_values_and_names():
   with pytest.raises(HardwareError, match="combine_threshold_bytes must be positive"):
     Hardware.from_dict(spec)
   spec["combine_threshold_bytes"] = 0      # a machine whose collectives never combine
+  spec["kernel_launch_s"] = -1e-6
+  with pytest.raises(HardwareError, match="kernel_launch_s must be positive"):
+    Hardware.from_dict(spec)
+  spec["kernel_launch_s"] = 0              # a spec without launch costs
   assert Hardware.from_dict(spec).combine_threshold_bytes == 0
   assert CATALOG["h100"].combine_threshold_bytes == 30 << 20
   assert CATALOG["cpu"].combine_threshold_bytes == 0       # XLA:CPU has no combiner

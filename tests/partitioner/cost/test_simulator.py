@@ -111,6 +111,29 @@ def test_local_flops_divide_by_the_sharding_and_elementwise_chains_fuse():
   assert split.hbm_bytes == x + w + out + out + out + 4  # and the literal 2.0
 
 
+def test_each_kernel_launch_costs_the_hardware_s_launch_time():
+  # Two kernels (the matmul; exp, mul and tanh fused), each 4 us on a GPU beside its roofline;
+  # a loop's body launches once per iteration.
+  import dataclasses
+  from partitioner.cost import Simulator
+  f = lambda x, w: jnp.tanh(jnp.exp(x @ w) * 2.0)
+  args = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 512), jnp.float32))
+  h100 = CATALOG["h100"]
+  free = dataclasses.replace(h100, name="h100 without launch costs", kernel_launch_s=0.0)
+  assert h100.kernel_launch_s == 4e-6 and CATALOG["cpu"].kernel_launch_s == 0
+  pp = P.apply(P.trace(f, *args), "a=8", "Tile(x, 0, a)")
+  assert Simulator(pp.program, pp.mesh, h100).work.groups == 2
+  assert simulate(pp, h100).compute_s == pytest.approx(simulate(pp, free).compute_s + 8e-6)
+
+  def loop(x, w):
+    return jax.lax.fori_loop(0, 10, lambda i, y: jnp.tanh(y @ w), x)
+  args = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 256), jnp.float32))
+  pp = P.apply(P.trace(loop, *args), "a=8", "Tile(x, 0, a)")
+  extra = simulate(pp, h100).compute_s - simulate(pp, free).compute_s
+  # The loop's entry and exit once; its counter, matmul and tanh ten times each.
+  assert extra == pytest.approx(32 * h100.kernel_launch_s)
+
+
 @pytest.mark.slow
 def test_gradient_all_reduce_overlaps_megatron_all_reduce_does_not():
   workload = corpus.load("gpt:1.3b")
