@@ -166,8 +166,8 @@ class Simulator:
     self.rate = np.array([hw.flops(w.dtype) * hw.efficiency[_EFF[w.kind]] for w in work.work])
     # Per fused kernel: its launches per step (a loop body's once per iteration, a folded
     # layer's once per layer it stands for; one fusing ops of several weights at a folded
-    # layer's edge, its ops' mean weight, which matches the deep program's count), each
-    # costing the hardware's launch overhead.
+    # layer's edge, its ops' mean weight: within a kernel of the deep program's count on a
+    # six-layer GPT), each costing the hardware's launch overhead.
     launches = np.ones(work.groups)
     if weight is not None:
       launches = (np.bincount(work.group, weight, minlength=work.groups) /

@@ -1,5 +1,6 @@
 """The simulator: collective decompositions, compute, overlap, memory, and agreement with XLA."""
 
+import dataclasses
 import functools
 
 import jax
@@ -8,7 +9,7 @@ import pytest
 
 import corpus
 import partitioner as P
-from partitioner.cost import CATALOG, Group, collective_time, simulate
+from partitioner.cost import CATALOG, Group, Simulator, collective_time, simulate
 
 GiB = 2**30
 
@@ -114,24 +115,24 @@ def test_local_flops_divide_by_the_sharding_and_elementwise_chains_fuse():
 def test_each_kernel_launch_costs_the_hardware_s_launch_time():
   # Two kernels (the matmul; exp, mul and tanh fused), each 4 us on a GPU beside its roofline;
   # a loop's body launches once per iteration.
-  import dataclasses
-  from partitioner.cost import Simulator
-  f = lambda x, w: jnp.tanh(jnp.exp(x @ w) * 2.0)
-  args = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 512), jnp.float32))
   h100 = CATALOG["h100"]
   free = dataclasses.replace(h100, name="h100 without launch costs", kernel_launch_s=0.0)
   assert h100.kernel_launch_s == 4e-6 and CATALOG["cpu"].kernel_launch_s == 0
-  pp = P.apply(P.trace(f, *args), "a=8", "Tile(x, 0, a)")
+  f = lambda x, w: jnp.tanh(jnp.exp(x @ w) * 2.0)
+  pp = P.apply(P.trace(f, _f32(64, 256), _f32(256, 512)), "a=8", "Tile(x, 0, a)")
   assert Simulator(pp.program, pp.mesh, h100).work.groups == 2
   assert simulate(pp, h100).compute_s == pytest.approx(simulate(pp, free).compute_s + 8e-6)
 
   def loop(x, w):
     return jax.lax.fori_loop(0, 10, lambda i, y: jnp.tanh(y @ w), x)
-  args = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 256), jnp.float32))
-  pp = P.apply(P.trace(loop, *args), "a=8", "Tile(x, 0, a)")
+  pp = P.apply(P.trace(loop, _f32(64, 256), _f32(256, 256)), "a=8", "Tile(x, 0, a)")
   extra = simulate(pp, h100).compute_s - simulate(pp, free).compute_s
   # The loop's entry and exit once; its counter, matmul and tanh ten times each.
   assert extra == pytest.approx(32 * h100.kernel_launch_s)
+
+
+def _f32(*shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 @pytest.mark.slow
