@@ -93,9 +93,7 @@ def _fold(task: Task):
   # time on the GPT, T5 and SSM experts at 64 to 1024 devices), and kernels cost no launches
   # (where the launches of kernels fusing a folded layer's ops with its neighbours' fall beside
   # the collectives is estimated too: within 5%, tests/partitioner/test_folding.py).
-  combined = load_hardware(task.hardware).combining(0)
-  hardware = dataclasses.replace(combined, name=f"{combined.name} without launch costs",
-                                 kernel_launch_s=0.0)
+  hardware = load_hardware(task.hardware).combining(0).launching(0.0)
   try:
     folded = simulate_experts(folding.program, mesh, hardware, family,
                               simulate=Simulator(folding.program, mesh, hardware, folding=folding))

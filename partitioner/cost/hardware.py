@@ -85,6 +85,12 @@ class Hardware:
     return dataclasses.replace(self, name=f"{self.name} (combining {threshold_bytes} B)",
                                combine_threshold_bytes=threshold_bytes)
 
+  def launching(self, seconds: float) -> "Hardware":
+    """This hardware with another cost per kernel launch (0: only the roofline), under a name
+    of its own."""
+    return dataclasses.replace(self, name=f"{self.name} (launch {seconds * 1e6:g} us)",
+                               kernel_launch_s=seconds)
+
   @classmethod
   def from_dict(cls, data: Mapping, source: str = "spec") -> "Hardware":
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -71,23 +71,17 @@ def test_ilp_is_never_behind_a_state_it_costed():
   manual = [a for a in env.legal_actions()
             if a != env.finish_action and env.context.actions[a].kind != "tile"]
   best = min(_standing(s) for k in (1, 2, 3) for combo in itertools.combinations(manual, k)
-             if (s := _legal(env, combo)) is not None)
+             if (s := _play(env, combo)) is not None)
   solution = solve(env.clone(), rounds=1)
   assert _standing(_play(env, solution.actions)) <= best
   assert solution.rounds == 1 and solution.enumerated in (0, 1)
 
 
-def _legal(env, actions):
+def _play(env, actions):
+  """The state after `actions` (None where one is not legal)."""
   trial = env.clone()
   for a in actions:
     if a not in trial.legal_actions():
       return None
-    trial.step(a)
-  return trial
-
-
-def _play(env, actions):
-  trial = env.clone()
-  for a in actions:
     trial.step(a)
   return trial

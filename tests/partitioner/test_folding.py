@@ -1,8 +1,6 @@
 """Folding a layer stack: a three-layer program with a weighted middle layer costs what the deep
 program costs, and the environment plays it with the deep program's actions."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -47,7 +45,7 @@ def test_folded_costs_equal_the_deep_program_costs():
   # the kernels fusing a folded layer's ops with its neighbours' fall beside the collectives:
   # exact without launch costs, within 5% of the deep step with them.
   h100 = CATALOG["h100"].combining(0)
-  hardware = dataclasses.replace(h100, name="h100 without launch costs", kernel_launch_s=0.0)
+  hardware = h100.launching(0.0)
   simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   launching = Simulator(folding.program, mesh, h100, folding=folding)
   schedules = list(corpus.experts("gpt", mesh.names).values()) + _random_schedules(6)

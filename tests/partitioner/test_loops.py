@@ -5,8 +5,6 @@ must compute what it computes under every strategy, in both lowerings, while the
 programs keep the loop; tactics must find the same targets through the body; the cost model
 must run the body once per iteration (same collectives, step time within 2%)."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,8 +87,7 @@ def test_kept_loop_verifies_keeps_the_loop_and_costs_like_the_unrolled_twin(deco
 # Without combining, and without launch costs: a kept loop's body launches its kernels in every
 # iteration (with the carries and the slices of the stacked layers) where the unrolled twin
 # fuses some across layers, so only the kernels' roofline and the collectives must agree.
-UNCOMBINED = dataclasses.replace(CATALOG["h100"].combining(0), name="h100 (no combining, "
-                                 "no launch costs)", kernel_launch_s=0.0)
+UNCOMBINED = CATALOG["h100"].combining(0).launching(0.0)
 
 
 def _combines_within_iterations(pp, twin):

@@ -71,6 +71,9 @@ def test_bad_values_and_names():
   separate = CATALOG["h100"].combining(0)
   assert separate.combine_threshold_bytes == 0 and separate.name != "h100"
   assert separate.peak_flops == CATALOG["h100"].peak_flops
+  roofline = CATALOG["h100"].launching(0.0)
+  assert roofline.kernel_launch_s == 0 and roofline.name != "h100"
+  assert roofline.combine_threshold_bytes == CATALOG["h100"].combine_threshold_bytes
   with pytest.raises(HardwareError, match="unknown hardware 'h900'; catalog: tpu-v3"):
     load_hardware("h900")
   with pytest.raises(HardwareError, match="no such hardware spec file"):
