@@ -24,19 +24,29 @@ class TrainedPolicy(NamedTuple):
   run_dir: str
 
 
+PATIENCE = 3   # actions in a row without a new best state before a decoded line stops
+
+
 def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
   """Plays `choose(observation)` from `env`'s state in a clone until the episode ends, then
   plays in `env` the prefix of that line whose state scores best (the earliest of equals) and
   finishes. The environment costs every state it passes through, so this costs no simulation;
   it undoes the trailing actions a policy takes on meshes larger than it was trained on (a
-  data-parallel tiling over the model axis after Megatron)."""
+  data-parallel tiling over the model axis after Megatron).
+
+  `choose` sees finish masked while anything else is legal, so the line runs on past where the
+  policy would finish and the simulator, not the policy, says where it ends: a policy stops early where its
+  train tasks stopped (ZeRO over the model axis, then finish, leaving a 32-way batch axis idle
+  on 256 devices), and the best prefix already drops whatever a longer line gets wrong. The
+  line stops once `PATIENCE` actions in a row have not beaten its best state, which keeps a
+  proposal on a large program well under a second."""
   if env.done:
     return
   start, line = len(env.history), env.clone()
   best, best_score = 0, line.score()
   observation, done = line.observation(), False
-  while not done:
-    ts = line.step(choose(observation))
+  while not done and len(line.history) - start - best < PATIENCE:
+    ts = line.step(choose(_without_finish(observation, line.finish_action)))
     observation, done = ts.observation, ts.last()
     if line.score() > best_score + 1e-12:
       best, best_score = len(line.history) - start, line.score()
@@ -46,9 +56,19 @@ def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
     env.step(env.finish_action)
 
 
+def _without_finish(observation: dict, finish: int) -> dict:
+  """`observation` with finish masked out where another action is legal."""
+  mask = observation["action_mask"]
+  if not mask[finish] or mask.sum() == 1:
+    return observation
+  mask = mask.copy()
+  mask[finish] = False
+  return {**observation, "action_mask": mask}
+
+
 def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
-  """`decode(env, params)`: the policy's most likely legal action at each state, until it
-  finishes, stopped where that line was best (`play_best_prefix`). One compilation per
+  """`decode(env, params)`: the policy's most likely legal action at each state but finish, to
+  the episode's end, stopped where that line was best (`play_best_prefix`). One compilation per
   observation size bucket, shared by every call."""
   policy = make_policy(networks, evaluation=True)
   key = jax.random.PRNGKey(0)
@@ -63,7 +83,8 @@ def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
 def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
                 budget: int = 50) -> tuple[float, int]:
   """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
-  likely legal action until finish, kept up to the best state of that line), or MCTS with
+  likely legal action but finish, kept up to the best state of that line: `play_best_prefix`),
+  or MCTS with
   `budget` simulations guided by the policy's prior and value, which also decodes greedily and
   plays the better of the two (a small search need not pass through the greedy line). Returns
   (seconds spent deciding and applying, simulations). The first call for a size bucket

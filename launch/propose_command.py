@@ -12,8 +12,9 @@ HELP = "propose a partitioning strategy with a trained policy"
 
 DESCRIPTION = """\
 Loads the policy checkpointed in --policy (a 'shardzero train' run directory), decodes a
-strategy for MODEL over --mesh greedily (the most likely legal action until finish, kept up to
-the best state of that line: the simulator costs each one anyway), or with
+strategy for MODEL over --mesh greedily (the most likely legal action other than finish, until
+three in a row have not beaten the line's best state, which is kept: the simulator costs each
+state anyway, so it, not the policy, says where the line ends), or with
 --search mcts lets the policy's prior and value guide --budget simulations of tree search (and
 keeps the greedy strategy where the search found nothing better), applies it with the
 partitioner and prints the schedule with its predicted step time and memory next to the best
