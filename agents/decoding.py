@@ -34,12 +34,12 @@ def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
   it undoes the trailing actions a policy takes on meshes larger than it was trained on (a
   data-parallel tiling over the model axis after Megatron).
 
-  `choose` sees finish masked while anything else is legal, so the line runs on past where the
-  policy would finish and the simulator, not the policy, says where it ends: a policy stops early where its
-  train tasks stopped (ZeRO over the model axis, then finish, leaving a 32-way batch axis idle
-  on 256 devices), and the best prefix already drops whatever a longer line gets wrong. The
-  line stops once `PATIENCE` actions in a row have not beaten its best state, which keeps a
-  proposal on a large program well under a second."""
+  `choose` sees finish masked while anything else is legal, so the line runs on past where
+  the policy would finish and the simulator, not the policy, says where it ends: a policy stops
+  early where its train tasks stopped (ZeRO over the model axis, then finish, leaving a 32-way
+  batch axis idle on 256 devices), and the best prefix drops whatever a longer line gets wrong.
+  The line stops once `PATIENCE` actions in a row have not beaten its best state, which keeps
+  a proposal on a large program under a second or two."""
   if env.done:
     return
   start, line = len(env.history), env.clone()
@@ -67,8 +67,8 @@ def _without_finish(observation: dict, finish: int) -> dict:
 
 
 def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
-  """`decode(env, params)`: the policy's most likely legal action at each state but finish, to
-  the episode's end, stopped where that line was best (`play_best_prefix`). One compilation per
+  """`decode(env, params)`: the policy's most likely legal action but finish at each state,
+  kept up to the best state of that line (`play_best_prefix`). One compilation per
   observation size bucket, shared by every call."""
   policy = make_policy(networks, evaluation=True)
   key = jax.random.PRNGKey(0)
@@ -84,11 +84,10 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
                 budget: int = 50) -> tuple[float, int]:
   """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
   likely legal action but finish, kept up to the best state of that line: `play_best_prefix`),
-  or MCTS with
-  `budget` simulations guided by the policy's prior and value, which also decodes greedily and
-  plays the better of the two (a small search need not pass through the greedy line). Returns
-  (seconds spent deciding and applying, simulations). The first call for a size bucket
-  compiles; the timing is taken after a warm-up call."""
+  or MCTS with `budget` simulations guided by the policy's prior and value, which also decodes
+  greedily and plays the better of the two (a small search need not pass through the greedy
+  line). Returns (seconds spent deciding and applying, simulations). The first call for a size
+  bucket compiles; the timing is taken after a warm-up call."""
   from agents.alphazero.networks import make_search_fns
   from agents.search.mcts import MCTSActor
   from agents.search.planning import path_to, play
