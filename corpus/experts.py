@@ -55,8 +55,15 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              lambda d, m: _bp(d) + [f"ExpertParallel({m})"]),
     Strategy("dp+ep+zero3", "expert parallel with FSDP over the data axes",
              lambda d, m: _bp(d) + [f"ExpertParallel({m})"] + [f"ZeRO({a}, stage=3)" for a in d]),
-    Strategy("gshard", "GShard: data parallel over every axis, experts over the model axis",
-             lambda d, m: _bp((*d, m)) + [f"ExpertParallel({m})"]),
+    # Experts are placed before the batch is split over their axis: tactics that come earlier
+    # win where two meet, so this order moves tokens to the experts, while the reverse keeps
+    # the tokens where they are and gathers every expert's weights on every device.
+    Strategy("gshard", "GShard: experts over the model axis, data parallel over every axis "
+             "(tokens move to their experts)",
+             lambda d, m: [f"ExpertParallel({m})"] + _bp((*d, m))),
+    Strategy("gshard+hzero2", "GShard with optimizer state and gradients sharded over the "
+             "model axis (DeepSpeed-MoE's expert parallelism with ZeRO-2)",
+             lambda d, m: [f"ExpertParallel({m})"] + _bp((*d, m)) + [f"ZeRO({m}, stage=2)"]),
 )}
 
 _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
@@ -72,7 +79,7 @@ FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
     "resnet": _DATA,
     "gnn": _DATA + _TENSOR,
     "t5": _DATA + _TENSOR + _VOCAB,
-    "moe": _DATA + _TENSOR + ("dp+ep", "dp+ep+zero3", "gshard"),
+    "moe": _DATA + _TENSOR + ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2"),
     "unet": _DATA,
     "ssm": _DATA + _TENSOR + _VOCAB,
     "hf_gpt2": _DATA + _TENSOR + _VOCAB,

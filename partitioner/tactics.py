@@ -274,8 +274,9 @@ def _tile_exactly(ctx, tactic, axis, targets, what) -> None:
 class ExpertParallel(Tactic):
   """Expert parallelism: weights with an expert dimension (a dimension a forward matmul treats
   as a batch dimension) are split along it over `axis`, and the tokens routed to an expert are
-  processed where its weights are. When the batch is split over the same axis, propagation
-  reshards between the two where they meet (gathering expert weights or moving tokens)."""
+  processed where its weights are. Where the batch is split over the same axis, the tactic that
+  came first wins at the expert matmuls: ExpertParallel first moves the tokens to their experts
+  (GShard); BatchParallel first keeps the tokens and gathers every expert's weights instead."""
   axis: str
   name: ClassVar[str] = "ExpertParallel"
 

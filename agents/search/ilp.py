@@ -84,11 +84,15 @@ _ROLE_RANK = {"data": 0, "param": 2, "opt": 3}
 
 
 def _rank(ctx, action: int) -> int:
-  """Replay order: data layouts first (they decide what the batch axes mean), then manual
-  tactics, then parameters, then optimizer state, as expert schedules are written; earlier
-  tactics win propagation conflicts."""
+  """Replay order: expert placement first, then data layouts (they decide what the batch axes
+  mean), then the other manual tactics, then parameters, then optimizer state, as expert
+  schedules are written; earlier tactics win propagation conflicts, so experts placed before
+  the batch is split over their axis move tokens to them instead of gathering their weights
+  (`corpus.experts`' GShard)."""
   a = ctx.actions[action]
-  return 1 if a.kind != "tile" else _ROLE_RANK.get(ctx.points[a.point].role, 1)
+  if a.kind == "tile":
+    return _ROLE_RANK.get(ctx.points[a.point].role, 1)
+  return -1 if a.kind == "ExpertParallel" else 1
 
 
 def _serial(cost) -> float:

@@ -10,7 +10,7 @@ import pytest
 import partitioner as P
 from agents.environment_loop import EnvironmentLoop
 from agents.search.expert import best_expert, evaluate_experts
-from agents.search.ilp import ILPActor, _milp, _standing, solve
+from agents.search.ilp import ILPActor, _milp, _rank, _standing, solve
 from agents.loggers import InMemoryLogger
 from environments import PartitioningEnv, Task
 from environments.tasks import data_parallel_peak, load_program
@@ -75,6 +75,19 @@ def test_ilp_is_never_behind_a_state_it_costed():
   solution = solve(env.clone(), rounds=1)
   assert _standing(_play(env, solution.actions)) <= best
   assert solution.rounds == 1 and solution.enumerated in (0, 1)
+
+
+def test_replay_places_experts_before_anything_splits_the_batch():
+  # Earlier tactics win where two meet: experts placed first move the tokens to them (GShard);
+  # placed after BatchParallel over their axis, they would have their weights gathered.
+  env = PartitioningEnv(Task("moe:mini", "batch=2,model=4"))
+  env.reset()
+  ctx = env.context
+  legal = [a for a in env.legal_actions() if a != env.finish_action]
+  experts = [a for a in legal if ctx.actions[a].kind == "ExpertParallel"]
+  assert len(experts) == 2
+  assert max(_rank(ctx, a) for a in experts) < min(
+      _rank(ctx, a) for a in legal if ctx.actions[a].kind != "ExpertParallel")
 
 
 def _play(env, actions):

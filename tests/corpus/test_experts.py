@@ -53,6 +53,7 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,strategy", [
     ("gpt", "dp+megatron+vocab"), ("gpt", "dp+sp"), ("moe", "dp+ep"), ("moe", "gshard"),
+    ("moe", "gshard+hzero2"),
     ("t5", "dp+megatron+zero3"), ("resnet", "zero3"), ("gnn", "dp+megatron"),
     ("ssm", "dp+megatron"), ("unet", "hsdp"), ("bert", "zero2"),
     ("t5", "hzero2"),
@@ -74,6 +75,26 @@ def test_expert_parallel_splits_the_expert_dimension(programs):
     P.apply(programs("gpt")[1], MESH, "ExpertParallel(model)")
   with pytest.raises(P.ScheduleError, match="4 experts, not divisible by model=8"):
     P.apply(program, "batch=1,model=8", "ExpertParallel(model)")
+
+
+def test_gshard_moves_tokens_to_the_experts(programs):
+  """Where the batch and the experts share an axis, the earlier tactic wins at the expert
+  matmuls: GShard's order reshards tokens there, the reverse order the expert weights."""
+  _, program = programs("moe")
+  schedule = corpus.experts("moe")["gshard"]
+  assert schedule.startswith("ExpertParallel(model)")
+  gshard = P.apply(program, MESH, schedule)
+  reverse = P.apply(program, MESH, "BatchParallel(batch); BatchParallel(model); "
+                    "ExpertParallel(model)")
+
+  def resharded_experts(pp):
+    return {c.dropped.split(" on ")[0] for c in pp.conflicts if "/experts/" in c.dropped}
+
+  assert resharded_experts(gshard) == set()
+  assert resharded_experts(reverse) == {"params/moe/layer_1/experts/w_in",
+                                        "params/moe/layer_1/experts/w_out"}
+  for pp in (gshard, reverse):
+    assert pp.sharding("params/moe/layer_1/experts/w_in").dims == (("model",), (), ())
 
 
 def test_sequence_parallel_splits_the_sequence(programs):
