@@ -91,6 +91,8 @@ def test_gshard_moves_tokens_to_the_experts(programs):
     return {c.dropped.split(" on ")[0] for c in pp.conflicts if "/experts/" in c.dropped}
 
   assert resharded_experts(gshard) == set()
+  assert any("(experts)" in c.kept and not c.dropped.startswith("params/")
+             for c in gshard.conflicts)   # the tokens are what moves
   assert resharded_experts(reverse) == {"params/moe/layer_1/experts/w_in",
                                         "params/moe/layer_1/experts/w_out"}
   for pp in (gshard, reverse):
