@@ -28,6 +28,12 @@ def _zero(stage):
   return lambda d, m: _bp((*d, m)) + [f"ZeRO({a}, stage={stage})" for a in (*d, m)]
 
 
+def _gshard(data, model):
+  """Experts placed before the batch is split over their axis, so that the tokens move to them
+  (see `ExpertParallel`: the reverse order gathers every expert's weights instead)."""
+  return [f"ExpertParallel({model})"] + _bp((*data, model))
+
+
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("dp", "data parallel over every axis", lambda d, m: _bp((*d, m)), False),
     Strategy("zero1", "data parallel, optimizer state sharded (ZeRO-1)", _zero(1), False),
@@ -55,15 +61,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              lambda d, m: _bp(d) + [f"ExpertParallel({m})"]),
     Strategy("dp+ep+zero3", "expert parallel with FSDP over the data axes",
              lambda d, m: _bp(d) + [f"ExpertParallel({m})"] + [f"ZeRO({a}, stage=3)" for a in d]),
-    # Experts are placed before the batch is split over their axis: tactics that come earlier
-    # win where two meet, so this order moves tokens to the experts, while the reverse keeps
-    # the tokens where they are and gathers every expert's weights on every device.
     Strategy("gshard", "GShard: experts over the model axis, data parallel over every axis "
-             "(tokens move to their experts)",
-             lambda d, m: [f"ExpertParallel({m})"] + _bp((*d, m))),
+             "(tokens move to their experts)", _gshard),
     Strategy("gshard+hzero2", "GShard with optimizer state and gradients sharded over the "
              "model axis (DeepSpeed-MoE's expert parallelism with ZeRO-2)",
-             lambda d, m: [f"ExpertParallel({m})"] + _bp((*d, m)) + [f"ZeRO({m}, stage=2)"]),
+             lambda d, m: _gshard(d, m) + [f"ZeRO({m}, stage=2)"]),
 )}
 
 _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
