@@ -71,6 +71,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
 _TENSOR = ("megatron", "dp+megatron", "dp+megatron+zero1", "dp+megatron+zero3")
 _VOCAB = ("dp+megatron+vocab",)
+_EXPERT = ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2")
 
 # The strategies an expert would try for each family.
 FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
@@ -81,7 +82,8 @@ FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
     "resnet": _DATA,
     "gnn": _DATA + _TENSOR,
     "t5": _DATA + _TENSOR + _VOCAB,
-    "moe": _DATA + _TENSOR + ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2"),
+    "moe": _DATA + _TENSOR + _EXPERT,
+    "vmoe": _DATA + _TENSOR + _EXPERT,
     "unet": _DATA,
     "ssm": _DATA + _TENSOR + _VOCAB,
     "hf_gpt2": _DATA + _TENSOR + _VOCAB,

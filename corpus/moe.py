@@ -81,9 +81,9 @@ class MoEFeedForward(hk.Module):
     return y, aux
 
 
-def _block(x, *, c: MoEConfig, experts: bool):
+def block(x, *, c, experts: bool, causal: bool = True):
   """A pre-LN block whose feed-forward is routed experts or dense; returns (x, aux loss)."""
-  x = x + L.Attention(c.heads, causal=True, name="attn")(L.layer_norm("ln1")(x))
+  x = x + L.Attention(c.heads, causal=causal, name="attn")(L.layer_norm("ln1")(x))
   h = L.layer_norm("ln2")(x)
   if experts:
     y, aux = MoEFeedForward(c, name="experts")(h)
@@ -101,7 +101,7 @@ def _forward(c: MoEConfig):
       aux = 0.0
       for i in range(c.layers):
         with hk.name_scope(f"layer_{i}"):
-          x, a = L.checkpointed(_block, c.remat, c=c, experts=(i + 1) % c.moe_every == 0)(x)
+          x, a = L.checkpointed(block, c.remat, c=c, experts=(i + 1) % c.moe_every == 0)(x)
           aux = aux + a
       x = L.layer_norm("ln_f")(x)
       return x @ embed.embeddings.T, aux

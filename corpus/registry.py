@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple
 
 import jax
 
-from corpus import bert, gnn, gpt, hf, mlp, moe, resnet, ssm, t5, unet, vit
+from corpus import bert, gnn, gpt, hf, mlp, moe, resnet, ssm, t5, unet, vit, vmoe
 from corpus.workload import Workload, abstractify, load_user, parameter_count, replace_config
 from partitioner.errors import WorkloadError
 
@@ -31,9 +31,10 @@ def _family(module, split: str, description: str) -> Family:
 
 
 # Training families cover the building blocks (dense layers, self-attention, embeddings,
-# convolutions with batch norm, gather/scatter message passing); the held-out families
-# recombine them in ways the training set never shows: cross-attention between two stacks,
-# routed experts, a U-shaped conv net with long skips, a recurrence over time.
+# convolutions with batch norm, gather/scatter message passing, routed experts in an encoder);
+# the held-out families recombine them in ways the training set never shows: cross-attention
+# between two stacks, routed experts in a causal language model, a U-shaped conv net with long
+# skips, a recurrence over time.
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     _family(mlp, "train", "multi-layer perceptron, MSE, Adam"),
     _family(gpt, "train", "GPT decoder: causal attention, pre-LN, tied embeddings, Adam + clip"),
@@ -41,6 +42,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     _family(vit, "train", "Vision Transformer: patch embedding, class token, AdamW"),
     _family(resnet, "train", "ResNet: convolutions, batch norm, max pool, SGD + Nesterov"),
     _family(gnn, "train", "graph network: encode-process-decode, gather/scatter over edges"),
+    _family(vmoe, "train", "V-MoE: a Vision Transformer with routed experts in every other block"),
     _family(t5, "heldout", "T5 encoder-decoder: cross-attention, shared embeddings, ReLU FFN"),
     _family(moe, "heldout", "MoE decoder: top-k router, expert capacity, load-balancing loss"),
     _family(unet, "heldout", "diffusion UNet: res blocks, group norm, skips, noise prediction"),

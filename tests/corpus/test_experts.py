@@ -53,7 +53,7 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
 @pytest.mark.slow
 @pytest.mark.parametrize("family,strategy", [
     ("gpt", "dp+megatron+vocab"), ("gpt", "dp+sp"), ("moe", "dp+ep"), ("moe", "gshard"),
-    ("moe", "gshard+hzero2"),
+    ("moe", "gshard+hzero2"), ("vmoe", "gshard+hzero2"),
     ("t5", "dp+megatron+zero3"), ("resnet", "zero3"), ("gnn", "dp+megatron"),
     ("ssm", "dp+megatron"), ("unet", "hsdp"), ("bert", "zero2"),
     ("t5", "hzero2"),
@@ -77,11 +77,13 @@ def test_expert_parallel_splits_the_expert_dimension(programs):
     P.apply(program, "batch=1,model=8", "ExpertParallel(model)")
 
 
-def test_gshard_moves_tokens_to_the_experts(programs):
+@pytest.mark.parametrize("family", ["moe", "vmoe"])
+def test_gshard_moves_tokens_to_the_experts(family, programs):
   """Where the batch and the experts share an axis, the earlier tactic wins at the expert
   matmuls: GShard's order reshards tokens there, the reverse order the expert weights."""
-  _, program = programs("moe")
-  schedule = corpus.experts("moe")["gshard"]
+  _, program = programs(family)
+  schedule = corpus.experts(family)["gshard"]
+  experts = f"params/{family}/layer_1/experts"
   assert schedule.startswith("ExpertParallel(model)")
   gshard = P.apply(program, MESH, schedule)
   reverse = P.apply(program, MESH, "BatchParallel(batch); BatchParallel(model); "
@@ -93,10 +95,9 @@ def test_gshard_moves_tokens_to_the_experts(programs):
   assert resharded_experts(gshard) == set()
   assert any("(experts)" in c.kept and not c.dropped.startswith("params/")
              for c in gshard.conflicts)   # the tokens are what moves
-  assert resharded_experts(reverse) == {"params/moe/layer_1/experts/w_in",
-                                        "params/moe/layer_1/experts/w_out"}
+  assert resharded_experts(reverse) == {f"{experts}/w_in", f"{experts}/w_out"}
   for pp in (gshard, reverse):
-    assert pp.sharding("params/moe/layer_1/experts/w_in").dims == (("model",), (), ())
+    assert pp.sharding(f"{experts}/w_in").dims == (("model",), (), ())
 
 
 def test_sequence_parallel_splits_the_sequence(programs):

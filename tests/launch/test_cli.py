@@ -159,7 +159,7 @@ def test_bad_hardware_is_one_line_and_exit_code_2(capsys, argv, message):
 def test_corpus_lists_families_splits_and_experts(capsys):
   code, out, _ = run(capsys, "corpus")
   assert code == 0
-  for family in ("mlp", "gpt", "t5", "bert", "vit", "moe", "resnet", "unet", "gnn", "ssm"):
+  for family in ("mlp", "gpt", "t5", "bert", "vit", "vmoe", "moe", "resnet", "unet", "gnn", "ssm"):
     assert f" {family} " in out
   assert "heldout" in out and "dp+ep" in out
   code, out, _ = run(capsys, "corpus", "--split", "heldout", "--json", "-")
