@@ -18,12 +18,15 @@ and a further round linearises around the state reached while that improves it. 
 costed to build the model (one action, a pair, and every triple of manual tactics, which are
 few and interact most) is a plan as well: where one of them beats the solution replayed, the
 round keeps it, as Alpa enumerates outside its ILP what the ILP does not model (there, the
-logical mesh shapes). `Solution.enumerated` counts the rounds this decided. Solved with
+logical mesh shapes). On a task played folded the round's plan and the SHORTLIST best costed
+states are compared on the whole program, the folded estimate being off by as much as they
+differ. `Solution.enumerated` counts the rounds this decided. Solved with
 HiGHS through `scipy.optimize.milp`, with a time limit; the MIP gap is reported.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from typing import NamedTuple
@@ -38,6 +41,7 @@ POOL = 48            # actions whose pairs are costed (see `_round`)
 ROUNDS = 3           # solves at most, each linearised where the last one got to
 NEGLIGIBLE = 1e-3    # edge terms below this (in log time and log memory, ~0.1%): dropped
 MEMORY_SLACK = 0.05  # log memory the model may be off by on a plan before it is solved again
+SHORTLIST = 4        # costed states that go to the final comparison beside the plan
 
 
 class Solution(NamedTuple):
@@ -114,10 +118,14 @@ def _after(env: SearchEnvironment, action: int) -> SearchEnvironment:
   return trial
 
 
-def _standing(env: SearchEnvironment) -> tuple[bool, float]:
+def _standing(env: SearchEnvironment, exact: bool = False) -> tuple[bool, float]:
   """Orders states: fitting the budget first, then by step time (changes under NEGLIGIBLE
-  are ties)."""
-  return (not env.fits, round(math.log(env.cost.step_time_s) / NEGLIGIBLE))
+  are ties). `exact`: costed on the task's whole program where it is played folded, for the
+  few final comparisons, where the folded estimate's error (a few % with launches and
+  combining) is as large as the differences between the plans compared."""
+  cost = env.exact_cost if exact and env.context.folding is not None else env.cost
+  return (cost.peak_memory_bytes > env.context.budget,
+          round(math.log(cost.step_time_s) / NEGLIGIBLE))
 
 
 class _Round(NamedTuple):
@@ -147,7 +155,7 @@ def solve(env: SearchEnvironment, time_limit_s: float = 60.0, manual: bool = Tru
   while len(taken) < rounds and best.actions and not best.env.done:
     nxt = _round(best.env, time_limit_s, manual)
     taken.append(nxt)
-    if not nxt.actions or _standing(nxt.env) >= _standing(best.env):
+    if not nxt.actions or _standing(nxt.env, exact=True) >= _standing(best.env, exact=True):
       break
     best = nxt
   kept = taken[:taken.index(best) + 1]
@@ -186,7 +194,7 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
                                            is_manual[idx])
     n = len(choices)
   et, em = np.full((n, n), np.nan), np.full((n, n), np.nan)
-  manual_pairs, costed = {}, min(singles, key=_standing)
+  manual_pairs, costed = {}, heapq.nsmallest(SHORTLIST, singles, key=_standing)
   for x in range(n):
     after = set(singles[x].legal_actions().tolist())
     for y in range(x + 1, n):
@@ -196,13 +204,13 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
         em[x, y] = _memory(pair.cost) - m0 - dm[x] - dm[y]
         if is_manual[x] and is_manual[y]:
           manual_pairs[x, y] = pair
-        costed = min(costed, pair, key=_standing)
+        costed = heapq.nsmallest(SHORTLIST, costed + [pair], key=_standing)
   sims += int(np.isfinite(et).sum())
   # Triples only where three actions still leave a step to finish, as the MILP's plans do.
   best_triple, triples = _best_triple(choices, manual_pairs if steps_left > 3 else {})
   sims += triples
   if best_triple is not None:
-    costed = min(costed, best_triple, key=_standing)
+    costed = heapq.nsmallest(SHORTLIST, costed + [best_triple], key=_standing)
   keep = _candidates(dt, dm, et, em, CANDIDATES)
   build_s = time.perf_counter() - start
   t_solve = time.perf_counter()
@@ -236,9 +244,8 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
     if _standing(trial) >= _standing(best):
       break
     best, kept = trial, kept[:i] + kept[i + 1:]
-  enumerated = _standing(costed) < _standing(best)
-  if enumerated:
-    best = costed
+  winner = min([best] + costed, key=lambda e: _standing(e, exact=True))
+  enumerated, best = winner is not best, winner
   return _Round(best, best.history[len(env.history):], tuple(skipped), t0 + objective,
                 _serial(whole.cost), m0 + memory, status, gap, size, enumerated, sims, build_s,
                 solve_s)
