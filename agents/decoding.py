@@ -25,7 +25,6 @@ class TrainedPolicy(NamedTuple):
 
 
 PATIENCE = 3   # actions in a row without a new best state before a decoded line stops
-ROOT_BREADTH = 3   # root actions a policy-guided search tries once each before PUCT chooses
 
 
 def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
@@ -85,9 +84,9 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
                 budget: int = 50) -> tuple[float, int]:
   """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
   likely legal action but finish, kept up to the best state of that line: `play_best_prefix`),
-  or MCTS with `budget` simulations guided by the policy's prior and value, the first
-  `ROOT_BREADTH` through the root's most likely actions, one each, which also decodes greedily
-  and plays the better of the two (a small search need not pass through the greedy line). Returns (seconds spent deciding and applying, simulations). The first call for a size
+  or MCTS with `budget` simulations guided by the policy's prior and value, which also decodes
+  greedily and plays the better of the two (a small search need not pass through the greedy
+  line). Returns (seconds spent deciding and applying, simulations). The first call for a size
   bucket compiles; the timing is taken after a warm-up call."""
   from agents.alphazero.networks import make_search_fns
   from agents.search.mcts import MCTSActor
@@ -101,8 +100,7 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
   simulations = 0
   if search == "mcts":
     prior_fn, value_fn = make_search_fns(networks, lambda: params)
-    mcts = MCTSActor(env, budget=budget, prior_fn=prior_fn, value_fn=value_fn,
-                     root_breadth=ROOT_BREADTH)
+    mcts = MCTSActor(env, budget=budget, prior_fn=prior_fn, value_fn=value_fn)
     plan = mcts.plan(env.clone())
     simulations = plan.simulations
     line = env.clone()

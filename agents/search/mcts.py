@@ -78,20 +78,15 @@ def improved_policy(node: _Node, value: float, c_visit: float = 50.0,
 
 
 class MCTSActor(PlanningActor):
-  """Searches `budget` simulations from the state of each episode's first decision.
-
-  `root_breadth`: the first simulations descend through the root's that many most likely
-  actions, one each, before PUCT chooses. A learned prior can be confidently wrong on a program
-  unlike its train tasks (0.82 on `Megatron(batch)` for a scanned GPT on 256 devices, 20x the
-  best plan), and PUCT with a few simulations would not leave its line."""
+  """Searches `budget` simulations from the state of each episode's first decision."""
 
   def __init__(self, environment: SearchEnvironment, budget: int = 200, c_puct: float = 1.25,
                prior_fn: PriorFn | None = None, value_fn: ValueFn | None = None,
-               tactic_weight: float = 4.0, seed: int = 0, root_breadth: int = 0):
+               tactic_weight: float = 4.0, seed: int = 0):
     super().__init__(environment)
     if budget < 1:
       raise ValueError("the MCTS budget must be at least one simulation")
-    self.budget, self.c_puct, self.root_breadth = budget, c_puct, root_breadth
+    self.budget, self.c_puct = budget, c_puct
     self.prior_fn = prior_fn or (lambda obs: heuristic_prior(obs, tactic_weight))
     self.value_fn = value_fn or (lambda obs: 0.0)
     self._rng = np.random.default_rng(seed)
@@ -127,15 +122,13 @@ class MCTSActor(PlanningActor):
     best, best_score = env, env.score()
     low, high = math.inf, -math.inf
     sims = 0
-    widen = np.argsort(-root.prior, kind="stable")[:self.root_breadth].tolist()
     while sims < self.budget and not root.exhausted:
       sims += 1
       sim = env.clone()
       path, leaf_value = [], 0.0
       node = root
       while not node.exhausted:
-        k = (widen[sims - 1] if node is root and sims <= len(widen)
-             else self._select(node, low, high))
+        k = self._select(node, low, high)
         step = sim.step(node.actions[k])
         path.append((node, k, float(step.reward)))
         score = sim.score()

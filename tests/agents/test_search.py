@@ -100,29 +100,6 @@ def test_mcts_takes_a_prior_and_a_value():
   assert calls["prior"] == 6 and calls["value"] >= 4
 
 
-def test_root_breadth_tries_the_likeliest_root_actions_before_puct():
-  # A prior confidently on one action: PUCT alone never leaves it in 4 simulations; with a
-  # root breadth of 3 the three likeliest root actions are each visited once first.
-  env = PartitioningEnv(Task("gpt:small", "batch=2,model=4"))
-  env.reset()
-  likely = [env.action_index(a) for a in ("Megatron(model)", "BatchParallel(batch)",
-                                          "ZeRO(model, stage=2)")]
-
-  def prior(obs):
-    p = np.full(len(obs["action_mask"]), 1e-9)
-    p[likely] = [0.98, 0.01, 0.005]
-    return p
-
-  def visited(breadth):
-    actor = MCTSActor(env, budget=4, prior_fn=prior, root_breadth=breadth)
-    actor.plan(env.clone())
-    root = actor.table[env.state_key]
-    return {int(a) for a in root.actions[root.visits > 0]}
-
-  assert visited(0) == {likely[0]}
-  assert visited(3) == set(likely)
-
-
 def test_improved_policy_keeps_the_prior_until_the_search_finds_better():
   node = _Node(np.arange(3), np.array([0.6, 0.3, 0.1]))
   np.testing.assert_allclose(improved_policy(node, value=0.2), node.prior)
