@@ -1,6 +1,6 @@
 """A V-MoE classification step (Riquelme et al. 2021): a Vision Transformer whose every other
 block's feed-forward is a set of routed experts (`moe.block`: top-k router, capacity,
-load-balancing loss). It is a train family so that policies see routed experts once; the
+load-balancing loss). It is a train family so that policies learn from routed experts; the
 held-out `moe` family puts them in a causal language model instead."""
 
 from __future__ import annotations
