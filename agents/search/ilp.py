@@ -142,6 +142,7 @@ class _Round(NamedTuple):
   simulations: int
   build_s: float
   solve_s: float
+  standing: tuple | None      # `_standing(env, exact=True)`; None where nothing was chosen
 
 
 def solve(env: SearchEnvironment, time_limit_s: float = 60.0, manual: bool = True,
@@ -155,7 +156,7 @@ def solve(env: SearchEnvironment, time_limit_s: float = 60.0, manual: bool = Tru
   while len(taken) < rounds and best.actions and not best.env.done:
     nxt = _round(best.env, time_limit_s, manual)
     taken.append(nxt)
-    if not nxt.actions or _standing(nxt.env, exact=True) >= _standing(best.env, exact=True):
+    if not nxt.actions or nxt.standing >= best.standing:
       break
     best = nxt
   kept = taken[:taken.index(best) + 1]
@@ -177,7 +178,7 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
                    key=lambda a: (_rank(ctx, a), a))
   if steps_left < 2 or not choices:
     return _Round(env, (), (), t0, t0, m0, "nothing to choose", 0.0, (0, 0), False, 0,
-                  0.0, 0.0)
+                  0.0, 0.0, None)
   # Node costs: every action alone; edge costs: the legal pairs (in replay order) among the
   # POOL actions that do most for time alone and the POOL // 3 that do most for memory.
   singles = [_after(env, a) for a in choices]
@@ -244,11 +245,13 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
     if _standing(trial) >= _standing(best):
       break
     best, kept = trial, kept[:i] + kept[i + 1:]
-  winner = min([best] + costed, key=lambda e: _standing(e, exact=True))
-  enumerated, best = winner is not best, winner
+  finalists = [best] + costed
+  standings = [_standing(e, exact=True) for e in finalists]
+  i = min(range(len(finalists)), key=standings.__getitem__)
+  enumerated, best = i > 0, finalists[i]
   return _Round(best, best.history[len(env.history):], tuple(skipped), t0 + objective,
                 _serial(whole.cost), m0 + memory, status, gap, size, enumerated, sims, build_s,
-                solve_s)
+                solve_s, standings[i])
 
 
 def _replay(env: SearchEnvironment, actions) -> tuple[SearchEnvironment, tuple[int, ...]]:
