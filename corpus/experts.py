@@ -2,8 +2,12 @@
 
 Schedules are written for a mesh whose last axis is the "model" axis (tensor, expert or
 sequence parallelism, usually inside a node) and whose other axes are data axes. On a mesh
-with one axis, only the strategies that need no second axis remain. These are the reference
-points that search and learned agents must match or beat.
+with one axis, only the strategies that need no second axis remain; on a mesh of three or
+four axes, ZeRO also shards over only the innermost of them (hierarchical, as HSDP and
+MaxText's data x fsdp x tensor meshes do). A program of no corpus family gets the generic
+ones (`GENERIC`: data parallelism, ZeRO 1-3, HSDP, Megatron and their mixtures), which apply
+to any training step. These are the reference points that search and learned agents must
+match or beat, and what `propose` checks a policy's plan against.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
 _TENSOR = ("megatron", "dp+megatron", "dp+megatron+zero1", "dp+megatron+zero3")
 _VOCAB = ("dp+megatron+vocab",)
 _EXPERT = ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2")
+# What applies to any training step: the roles (parameters, optimizer state, data) come from
+# its dataflow, and Megatron finds its pairs of matmuls in any idiom (or does not apply).
+GENERIC = _DATA + _TENSOR
 
 # The strategies an expert would try for each family.
 FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
@@ -90,23 +97,65 @@ FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
     "hf_bert": _DATA + _TENSOR + _VOCAB,
     "hf_t5": _DATA + _TENSOR + _VOCAB,
     "hf_vit": _DATA + _TENSOR,
+    # The external tier is measured as users' programs are served: the generic schedules.
+    **{f"hf_{name}": GENERIC for name in ("llama", "mistral", "opt", "gptneo", "bart",
+                                          "roberta", "bloom", "gemma")},
 }
 
 
-def experts(family: str, axes: Sequence[str] = ("batch", "model")) -> dict[str, str]:
+def _inner_forms(names: Sequence[str], data: tuple[str, ...], model: str) -> dict[str, str]:
+  """On a mesh of three or more axes, the ZeRO strategies among `names` again with ZeRO over
+  only the innermost k of the axes it shards in the full form (1 < k < all; k = 1 is hsdp and
+  hzero2, and for the 2D mixtures k = 1 too): shard inside the inner groups, where the
+  gathers and reduce-scatters stay on the fastest links, replicate across the outer ones.
+  Named by the axes they shard over: `zero3(fsdp,tensor)`, `dp+megatron+zero3(fsdp)`."""
+  axes = (*data, model)
+  out = {}
+  for stage in (1, 2, 3):
+    if f"zero{stage}" in names:
+      for k in range(2, len(axes)):
+        inner = axes[-k:]
+        out[f"zero{stage}({','.join(inner)})"] = "; ".join(
+            _bp(axes) + [f"ZeRO({a}, stage={stage})" for a in inner])
+    if f"dp+megatron+zero{stage}" in names:
+      for k in range(1, len(data)):
+        inner = data[-k:]
+        out[f"dp+megatron+zero{stage}({','.join(inner)})"] = "; ".join(
+            _bp(data) + [f"Megatron({model})"] + [f"ZeRO({a}, stage={stage})" for a in inner])
+  return out
+
+
+def experts(family: str | None, axes: Sequence[str] = ("batch", "model"),
+            model_axes: Sequence[str] | None = None) -> dict[str, str]:
   """name -> schedule text of the family's expert strategies for a mesh with these axes
-  (data axes first, the model axis last)."""
-  if family not in FAMILY_STRATEGIES:
+  (data axes first, the model axis last); the generic ones (`GENERIC`) for family None.
+
+  `model_axes` are the axes that may act as the model axis (default: the last one). Where
+  several lie equally deep in the hardware (`Placement.innermost`: both axes of a mesh inside
+  one node), each is tried, so the strategies do not depend on the order the axes are
+  written in; those over another than the last are named with it, `dp+megatron[batch]`."""
+  if family is not None and family not in FAMILY_STRATEGIES:
     raise WorkloadError(f"no expert strategies for {family!r}; families: "
                         f"{', '.join(FAMILY_STRATEGIES)}")
   axes = tuple(axes)
   if not axes:
     raise WorkloadError("expert strategies need a mesh with at least one axis")
+  last = axes[-1]
+  model_axes = [a for a in axes if a in (model_axes or ()) and a != last]
+  names = GENERIC if family is None else FAMILY_STRATEGIES[family]
   out = {}
-  for name in FAMILY_STRATEGIES[family]:
-    strategy = STRATEGIES[name]
-    if len(axes) > 1 or not strategy.two_axes:
-      out[name] = "; ".join(strategy.schedule(axes[:-1], axes[-1]))
+  for model in (last, *model_axes):
+    data = tuple(a for a in axes if a != model)
+    forms = {}
+    for name in names:
+      strategy = STRATEGIES[name]
+      if len(axes) > 1 or not strategy.two_axes:
+        # The one-axis strategies do not depend on which axis is the model axis.
+        if model == last or strategy.two_axes:
+          forms[name] = "; ".join(strategy.schedule(data, model))
+    if len(axes) > 2:
+      forms.update(_inner_forms(names, data, model))
+    out.update(forms if model == last else {f"{k}[{model}]": v for k, v in forms.items()})
   return out
 
 
@@ -133,15 +182,17 @@ def best(results: Sequence[ExpertResult]) -> ExpertResult | None:
                                            r.fits), default=None)
 
 
-def evaluate_experts(family: str, axes: Sequence[str], cost: Callable[[str], Any], *,
+def evaluate_experts(family: str | None, axes: Sequence[str], cost: Callable[[str], Any], *,
                      budget: int, strategies: Sequence[str] | None = None,
-                     progress: Callable[[str], None] | None = None) -> list[ExpertResult]:
-  """Every expert strategy of `family` for a mesh with `axes`, costed by `cost(schedule)` (a
-  `CostReport`; a `ShardzeroError` where the strategy does not apply, kept with the reason)
-  and checked against `budget` bytes per device. `progress(name)` is called before each."""
+                     progress: Callable[[str], None] | None = None,
+                     model_axes: Sequence[str] | None = None) -> list[ExpertResult]:
+  """Every expert strategy of `family` (the generic ones for None) for a mesh with `axes`
+  (`experts`, with `model_axes`), costed by `cost(schedule)` (a `CostReport`; a
+  `ShardzeroError` where the strategy does not apply, kept with the reason) and checked
+  against `budget` bytes per device. `progress(name)` is called before each."""
   from partitioner.errors import ShardzeroError
   out = []
-  for name, schedule in experts(family, axes).items():
+  for name, schedule in experts(family, axes, model_axes).items():
     if strategies is not None and name not in strategies:
       continue
     if progress:
@@ -155,14 +206,15 @@ def evaluate_experts(family: str, axes: Sequence[str], cost: Callable[[str], Any
   return out
 
 
-def simulate_experts(program, mesh, hardware, family: str, *, budget: int | None = None,
-                     order: Sequence[str] | None = None, simulate: Callable | None = None,
-                     **kwargs) -> list[ExpertResult]:
+def simulate_experts(program, mesh, hardware, family: str | None, *,
+                     budget: int | None = None, order: Sequence[str] | None = None,
+                     simulate: Callable | None = None, **kwargs) -> list[ExpertResult]:
   """`evaluate_experts` by the simulator: each schedule applied to `program` over `mesh` (a
-  `Mesh` or "batch=8,model=4") on `hardware`, within `budget` (default the device's memory).
-  `simulate(pp)` replaces the simulator (a folded program's)."""
+  `Mesh` or "batch=8,model=4") on `hardware`, within `budget` (default the device's memory),
+  with every innermost axis as a model axis. `simulate(pp)` replaces the simulator (a folded
+  program's)."""
   from partitioner import apply
-  from partitioner.cost import load_hardware
+  from partitioner.cost import Placement, load_hardware
   from partitioner.cost import simulate as simulate_program
   from partitioner.mesh import Mesh
   mesh = mesh if isinstance(mesh, Mesh) else Mesh.parse(mesh)
@@ -170,4 +222,5 @@ def simulate_experts(program, mesh, hardware, family: str, *, budget: int | None
   simulate = simulate or (lambda pp: simulate_program(pp, hardware, order))
   return evaluate_experts(family, mesh.names,
                           lambda schedule: simulate(apply(program, mesh, schedule)),
-                          budget=budget or hardware.hbm_bytes, **kwargs)
+                          budget=budget or hardware.hbm_bytes,
+                          model_axes=Placement(mesh, hardware, order).innermost(), **kwargs)

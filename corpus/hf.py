@@ -12,7 +12,9 @@ and the models compute in bf16.
 
 Presets: `small` (tiny, for tests), `mini` (two layers at published widths) and the published
 sizes: hf_gpt2 `124m`/`355m`, hf_bert `base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base),
-hf_vit `base`.
+hf_vit `base`; and for the external tier (never trained on) hf_llama `1b`/`7b`, hf_mistral
+`7b`, hf_opt and hf_gptneo `125m`/`1.3b`, hf_bart and hf_roberta `base`/`large`, hf_bloom
+`560m`, hf_gemma `2b`.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class HFConfig:
   image: int = 32          # ViT: image side
   patch: int = 8           # ViT: patch side
   classes: int = 10        # ViT: labels
+  kv_heads: int = 0        # key/value heads of grouped-query attention (0: as many as heads)
+  head_dim: int = 0        # Gemma: per-head width (0: d_model / heads)
   style: str = "named"
   dtype: str = "float32"       # activations (the models' computation dtype)
   param_dtype: str = ""        # parameters and optimizer state ("": dtype; float32: master)
@@ -77,14 +81,69 @@ VIT_PRESETS = _presets(
                   batch=64))
 
 
+# The external tier: programs that no policy trains on (`corpus.registry`'s "external" split),
+# at the published shapes of models people train: Llama 3.2 1B (with an untied head, as HF's
+# Flax Llama has no tying: 1.5B parameters) and Llama 2 7B, Mistral 7B, OPT 125M and 1.3B,
+# GPT-Neo 125M and 1.3B, BART base and large, RoBERTa base and large, BLOOM 560M, Gemma 2B.
+LLAMA_PRESETS = _presets(
+    small=HFConfig(heads=4, kv_heads=2),
+    mini=HFConfig(layers=2, d_model=2048, heads=32, kv_heads=8, ffn=8192, vocab=32000, seq=2048,
+                  batch=8),
+    **{"1b": HFConfig(layers=16, d_model=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256,
+                      seq=2048, batch=64),
+       "7b": HFConfig(layers=32, d_model=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000,
+                      seq=4096, batch=64)})
+MISTRAL_PRESETS = _presets(
+    small=HFConfig(heads=4, kv_heads=1),
+    mini=HFConfig(layers=2, d_model=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000,
+                  seq=4096, batch=8),
+    **{"7b": HFConfig(layers=32, d_model=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000,
+                      seq=4096, batch=256)})
+OPT_PRESETS = _presets(
+    mini=HFConfig(layers=2, d_model=2048, heads=32, ffn=8192, vocab=50272, seq=2048, batch=8),
+    **{"125m": HFConfig(layers=12, d_model=768, heads=12, ffn=3072, vocab=50272, seq=2048,
+                        batch=32),
+       "1.3b": HFConfig(layers=24, d_model=2048, heads=32, ffn=8192, vocab=50272, seq=2048,
+                        batch=64)})
+GPTNEO_PRESETS = _presets(
+    mini=HFConfig(layers=2, d_model=2048, heads=16, ffn=8192, vocab=50257, seq=2048, batch=8),
+    **{"125m": HFConfig(layers=12, d_model=768, heads=12, ffn=3072, vocab=50257, seq=2048,
+                        batch=32),
+       "1.3b": HFConfig(layers=24, d_model=2048, heads=16, ffn=8192, vocab=50257, seq=2048,
+                        batch=64)})
+BART_PRESETS = _presets(
+    mini=HFConfig(layers=2, d_model=1024, heads=16, ffn=4096, vocab=50265, seq=1024, batch=16),
+    base=HFConfig(layers=6, d_model=768, heads=12, ffn=3072, vocab=50265, seq=1024, batch=32),
+    large=HFConfig(layers=12, d_model=1024, heads=16, ffn=4096, vocab=50265, seq=1024,
+                   batch=32))
+ROBERTA_PRESETS = _presets(
+    mini=HFConfig(layers=2, d_model=1024, heads=16, ffn=4096, vocab=50265, seq=512, batch=32),
+    base=HFConfig(layers=12, d_model=768, heads=12, ffn=3072, vocab=50265, seq=512, batch=64),
+    large=HFConfig(layers=24, d_model=1024, heads=16, ffn=4096, vocab=50265, seq=512,
+                   batch=64))
+BLOOM_PRESETS = _presets(
+    mini=HFConfig(layers=2, d_model=1024, heads=16, ffn=4096, vocab=250880, seq=2048, batch=8),
+    **{"560m": HFConfig(layers=24, d_model=1024, heads=16, ffn=4096, vocab=250880, seq=2048,
+                        batch=64)})
+GEMMA_PRESETS = _presets(
+    small=HFConfig(heads=4, kv_heads=1, head_dim=16),
+    mini=HFConfig(layers=2, d_model=2048, heads=8, kv_heads=1, head_dim=256, ffn=16384,
+                  vocab=256000, seq=2048, batch=8),
+    **{"2b": HFConfig(layers=18, d_model=2048, heads=8, kv_heads=1, head_dim=256, ffn=16384,
+                      vocab=256000, seq=2048, batch=64)})
+
+
 def _check(config: HFConfig) -> None:
   if config.style not in STYLES:
     raise WorkloadError(f"style must be one of {', '.join(STYLES)}, got {config.style!r}")
   for knob, allowed in (("dtype", DTYPES), ("param_dtype", ("",) + DTYPES)):
     if getattr(config, knob) not in allowed:
       raise WorkloadError(f"{knob} must be float32 or bfloat16, got {getattr(config, knob)!r}")
-  if config.d_model % config.heads:
+  if config.d_model % config.heads and not config.head_dim:
     raise WorkloadError(f"d_model {config.d_model} does not divide into {config.heads} heads")
+  if config.kv_heads and config.heads % config.kv_heads:
+    raise WorkloadError(f"{config.heads} heads do not divide into {config.kv_heads} key/value "
+                        "heads")
 
 
 def _cross_entropy(logits, labels):
@@ -172,6 +231,104 @@ def _vit(c: HFConfig, dtype):
   return model, (1, c.image, c.image, 3), _loss(model, "images", "labels"), batch
 
 
+def _causal(model, c: HFConfig):
+  """A causal LM's loss on next tokens and its batch."""
+  def loss(params, batch):
+    logits = model(batch["tokens"], params=params).logits
+    return _cross_entropy(logits[:, :-1], batch["tokens"][:, 1:])
+
+  batch = lambda key: {"tokens": _tokens(key, (c.batch, c.seq), c.vocab)}
+  return model, (1, c.seq), loss, batch
+
+
+def _llama(c: HFConfig, dtype):
+  from transformers import FlaxLlamaForCausalLM, LlamaConfig
+  cfg = LlamaConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=c.ffn,
+                    num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                    num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.seq)
+  return _causal(FlaxLlamaForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+
+
+def _mistral(c: HFConfig, dtype):
+  from transformers import FlaxMistralForCausalLM, MistralConfig
+  cfg = MistralConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=c.ffn,
+                      num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                      num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.seq,
+                      sliding_window=max(c.seq // 2, 1))
+  return _causal(FlaxMistralForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+
+
+def _opt(c: HFConfig, dtype):
+  from transformers import FlaxOPTForCausalLM, OPTConfig
+  cfg = OPTConfig(vocab_size=c.vocab, hidden_size=c.d_model, num_hidden_layers=c.layers,
+                  ffn_dim=c.ffn, num_attention_heads=c.heads, max_position_embeddings=c.seq,
+                  word_embed_proj_dim=c.d_model, dropout=0.0, attention_dropout=0.0)
+  return _causal(FlaxOPTForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+
+
+def _gptneo(c: HFConfig, dtype):
+  from transformers import FlaxGPTNeoForCausalLM, GPTNeoConfig
+  # Alternating global and local (windowed) attention, as the released models.
+  types = [[["global", "local"], c.layers // 2]] + ([[["global"], 1]] if c.layers % 2 else [])
+  cfg = GPTNeoConfig(vocab_size=c.vocab, max_position_embeddings=c.seq, hidden_size=c.d_model,
+                     num_layers=c.layers, attention_types=types, num_heads=c.heads,
+                     intermediate_size=c.ffn, window_size=max(c.seq // 8, 1),
+                     embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0)
+  return _causal(FlaxGPTNeoForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+
+
+def _bloom(c: HFConfig, dtype):
+  from transformers import BloomConfig, FlaxBloomForCausalLM
+  cfg = BloomConfig(vocab_size=c.vocab, hidden_size=c.d_model, n_layer=c.layers, n_head=c.heads,
+                    hidden_dropout=0.0, attention_dropout=0.0)
+  return _causal(FlaxBloomForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+
+
+def _gemma(c: HFConfig, dtype):
+  from transformers import FlaxGemmaForCausalLM, GemmaConfig
+  cfg = GemmaConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=c.ffn,
+                    num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                    num_key_value_heads=c.kv_heads or c.heads,
+                    head_dim=c.head_dim or c.d_model // c.heads, max_position_embeddings=c.seq)
+  return _causal(FlaxGemmaForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+
+
+def _bart(c: HFConfig, dtype):
+  from transformers import BartConfig, FlaxBartForConditionalGeneration
+  cfg = BartConfig(vocab_size=c.vocab, max_position_embeddings=c.seq, d_model=c.d_model,
+                   encoder_layers=c.layers, decoder_layers=c.layers, encoder_ffn_dim=c.ffn,
+                   decoder_ffn_dim=c.ffn, encoder_attention_heads=c.heads,
+                   decoder_attention_heads=c.heads, dropout=0.0, attention_dropout=0.0,
+                   activation_dropout=0.0)
+  model = FlaxBartForConditionalGeneration(cfg, dtype=dtype, _do_init=False)
+  loss = _loss(model, "inputs", "targets", decoder_input_ids="decoder_inputs")
+
+  def batch(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    half = max(c.seq // 2, 1)
+    return {"inputs": _tokens(k1, (c.batch, c.seq), c.vocab),
+            "decoder_inputs": _tokens(k2, (c.batch, half), c.vocab),
+            "targets": _tokens(k3, (c.batch, half), c.vocab)}
+  return model, (1, c.seq), loss, batch
+
+
+def _roberta(c: HFConfig, dtype):
+  from transformers import FlaxRobertaForMaskedLM, RobertaConfig
+  # RoBERTa's positions start after the padding index: two more than the sequence.
+  cfg = RobertaConfig(vocab_size=c.vocab, hidden_size=c.d_model, num_hidden_layers=c.layers,
+                      num_attention_heads=c.heads, intermediate_size=c.ffn,
+                      max_position_embeddings=c.seq + 2, hidden_dropout_prob=0.0,
+                      attention_probs_dropout_prob=0.0)
+  model = FlaxRobertaForMaskedLM(cfg, dtype=dtype, _do_init=False)
+
+  def batch(key):
+    k1, k2 = jax.random.split(key)
+    # Token ids from 2 up: 1 is the padding id, which RoBERTa's positions skip.
+    return {"tokens": jax.random.randint(k1, (c.batch, c.seq), 2, c.vocab, jnp.int32),
+            "labels": _tokens(k2, (c.batch, c.seq), c.vocab)}
+  return model, (1, c.seq), _loss(model, "tokens", "labels"), batch
+
+
 def _make(build: Callable, config: HFConfig):
   """(train_step, init) for one model in the config's style; init(key) -> the arguments."""
   _check(config)
@@ -229,3 +386,11 @@ hf_gpt2 = _Family("hf_gpt2", _gpt2, GPT2_PRESETS)
 hf_bert = _Family("hf_bert", _bert, BERT_PRESETS)
 hf_t5 = _Family("hf_t5", _t5, T5_PRESETS)
 hf_vit = _Family("hf_vit", _vit, VIT_PRESETS)
+hf_llama = _Family("hf_llama", _llama, LLAMA_PRESETS)
+hf_mistral = _Family("hf_mistral", _mistral, MISTRAL_PRESETS)
+hf_opt = _Family("hf_opt", _opt, OPT_PRESETS)
+hf_gptneo = _Family("hf_gptneo", _gptneo, GPTNEO_PRESETS)
+hf_bart = _Family("hf_bart", _bart, BART_PRESETS)
+hf_roberta = _Family("hf_roberta", _roberta, ROBERTA_PRESETS)
+hf_bloom = _Family("hf_bloom", _bloom, BLOOM_PRESETS)
+hf_gemma = _Family("hf_gemma", _gemma, GEMMA_PRESETS)

@@ -19,6 +19,7 @@ from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
 from partitioner import roles as R
 from partitioner.cost.compute import REDUCTIONS, OpWork, op_work
 from partitioner.cost.hardware import Hardware
+from partitioner.cost.topology import Placement
 from partitioner.errors import WorkloadError
 from partitioner.ir import Program
 from partitioner.mesh import Mesh
@@ -28,7 +29,9 @@ MAX_RANK = 6      # dimensions beyond this share the last slot
 MAX_AXES = 4      # mesh axes an observation can describe
 # The version of this encoding: a policy is played only on the version it was trained on
 # (`learners.policies.load_policy` checks the run's). Bump it when a feature changes.
-OBSERVATION_VERSION = 2
+# 3: mesh axes take slots by where they land (`Placement.slots`), not by their written order,
+# and each slot says how many nodes its axis spans.
+OBSERVATION_VERSION = 3
 
 # Node kind ids, fixed: 0 padding, 1 an input, 2 a primitive not in the table, then the table
 # in order. New primitives are appended (the test of the table fails until they are), so the
@@ -64,13 +67,15 @@ SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1
 
 class ActionColumns:
   """Where each feature of an action row lies: the kind one-hot (`TACTIC_KINDS`), ZeRO's stage,
-  the axis one-hot and its size, the dimension one-hot and its size, and the tiled values'
-  bytes by role, their total, their count and their share of all inputs."""
+  the axis' slot one-hot, its size and the nodes it spans, the dimension one-hot and its size,
+  and the tiled values' bytes by role, their total, their count and their share of all
+  inputs."""
   KIND = slice(0, len(TACTIC_KINDS))
   STAGE = len(TACTIC_KINDS)
-  AXIS = STAGE + 1                       # MAX_AXES one-hot, then the axis size
+  AXIS = STAGE + 1                       # MAX_AXES one-hot, then the axis size and nodes
   AXIS_SIZE = AXIS + MAX_AXES
-  DIM = AXIS_SIZE + 1                    # MAX_RANK one-hot, then the dimension's size
+  AXIS_NODES = AXIS_SIZE + 1
+  DIM = AXIS_NODES + 1                   # MAX_RANK one-hot, then the dimension's size
   DIM_SIZE = DIM + MAX_RANK
   ROLE = DIM_SIZE + 1                    # len(ROLES) shares of the bytes
   BYTES = ROLE + len(ROLES)
@@ -92,7 +97,8 @@ SHARED_FEATURES = len(ROLES) * MAX_AXES
 # What changes with every step (`dynamic_features`), in this order.
 DYNAMIC_FEATURES = ("peak_over_budget", "log_budget", "step_time", "compute", "comm",
                     "exposed_comm", "progress", "fits")
-GLOBAL_FEATURES = MAX_AXES + 1 + 7 + PROGRAM_FEATURES + SHARED_FEATURES + len(DYNAMIC_FEATURES)
+MESH_FEATURES = 2 * MAX_AXES + 1 + 7     # per slot: size and nodes; devices; the hardware
+GLOBAL_FEATURES = MESH_FEATURES + PROGRAM_FEATURES + SHARED_FEATURES + len(DYNAMIC_FEATURES)
 TOUCHED = 8       # values of an action's footprint the network reads (spread over all of them)
 
 
@@ -210,7 +216,11 @@ class StaticGraph:
       raise WorkloadError(f"observations describe meshes of at most {MAX_AXES} axes; "
                           f"{mesh} has {len(mesh.names)}")
     self.program, self.mesh = program, mesh
-    self.axis_index = {a: i for i, a in enumerate(mesh.names)}
+    # Axes take slots by where they land, so that names and written order do not matter.
+    placement = Placement(mesh, hardware)
+    slots = placement.slots()
+    self.axis_index = {a: i for i, a in enumerate(slots)}
+    nodes = {a: placement.nodes(a) for a in mesh.names}
     values, ops = program.values, program.ops
     pairs = [(i, o) for op in ops for i in dict.fromkeys(op.inputs) for o in op.outputs]
     need = Sizes(len(values), 2 * len(pairs), len(actions))
@@ -270,6 +280,7 @@ class StaticGraph:
       if action.axis is not None:
         row[C.AXIS + self.axis_index[action.axis]] = 1
         row[C.AXIS_SIZE] = _log(mesh.size(action.axis), 12)
+        row[C.AXIS_NODES] = _log(nodes[action.axis], 12)
       if action.point >= 0:
         point = points[action.point]
         row[C.DIM + min(action.dim, MAX_RANK - 1)] = 1
@@ -302,14 +313,15 @@ class StaticGraph:
       start += len(members)
     self._role_weights = weights
     # Globals that do not change: the mesh, the hardware and what kind of model it is.
-    g = np.zeros(MAX_AXES + 1 + 7, np.float32)
-    for i, size in enumerate(mesh.shape):
-      g[i] = _log(size, 12)
-    g[MAX_AXES] = _log(mesh.device_count, 12)
-    g[MAX_AXES + 1:] = (_log(hardware.flops("float32"), 60), _log(hardware.flops("bfloat16"), 60),
-                        _log(hardware.hbm_bytes, 40), _log(hardware.hbm_bandwidth, 40),
-                        _log(hardware.intra.bandwidth, 40), _log(hardware.inter.bandwidth, 40),
-                        _log(hardware.node_size, 12))
+    g = np.zeros(MESH_FEATURES, np.float32)
+    for i, a in enumerate(slots):
+      g[i], g[MAX_AXES + i] = _log(mesh.size(a), 12), _log(nodes[a], 12)
+    g[2 * MAX_AXES] = _log(mesh.device_count, 12)
+    g[2 * MAX_AXES + 1:] = (_log(hardware.flops("float32"), 60),
+                            _log(hardware.flops("bfloat16"), 60),
+                            _log(hardware.hbm_bytes, 40), _log(hardware.hbm_bandwidth, 40),
+                            _log(hardware.intra.bandwidth, 40),
+                            _log(hardware.inter.bandwidth, 40), _log(hardware.node_size, 12))
     self.static_globals = np.concatenate([g, program_features(program, work, roles)])
     self._rows: dict = {}
 

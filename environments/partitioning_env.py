@@ -75,6 +75,7 @@ class TaskContext:
     self.budget = task.memory_budget or self.hardware.hbm_bytes
     self.simulator = Simulator(program, mesh, self.hardware, folding=self.folding)
     self.points: list[DecisionPoint] = decision_points(program)
+    self.axes = tuple(a for a in mesh.names if axes is None or a in axes)   # what it acts over
     self.actions: list[Action] = action_space(program, mesh, self.points, axes)
     self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
     self.finish = len(self.actions) - 1

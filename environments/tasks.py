@@ -126,14 +126,12 @@ def _data_parallel_peak(task: Task) -> int:
 
 
 def _smallest_expert_peak(task: Task) -> int | None:
-  """The lowest peak bytes per device among the family's expert strategies (None for a model
-  without expert strategies)."""
+  """The lowest peak bytes per device among the family's expert strategies (the generic ones
+  for a program of no corpus family); None where none applies."""
   from corpus.experts import simulate_experts
-  try:
-    results = simulate_experts(load_program(task.model), task.mesh, task.hardware,
-                               task.model.partition(":")[0])
-  except WorkloadError:
-    return None
+  from corpus.registry import family_of
+  results = simulate_experts(load_program(task.model), task.mesh, task.hardware,
+                             family_of(task.model))
   return min((r.cost.peak_memory_bytes for r in results if r.cost is not None), default=None)
 
 

@@ -1,10 +1,13 @@
 """The `Auto` solver `shardzero partition` passes to the partitioner: search agents
 (`agents.search.auto`), and trained policies (`policy=RUN_DIR`) played greedily or guiding
-MCTS in the same sub-problem."""
+MCTS in the same sub-problem, checked against the hand schedules over the tactic's axes
+(`agents.guard`): a policy's plan is applied only where no hand schedule beats it, and where
+nothing fits the budget the tactic fails with the closest plan rather than apply one that
+does not fit."""
 
 from __future__ import annotations
 
-from agents.decoding import play_policy
+from agents.guard import play_guarded
 from agents.search import auto as search
 from learners.policies import PolicyCache
 from partitioner.errors import ScheduleError
@@ -22,5 +25,11 @@ def solve(request: AutoRequest) -> list[Tactic]:
                         "(policy-guided search)")
   policy = POLICIES(t.policy)
   env = search.sub_environment(request, t.max_steps or policy.max_steps)
-  play_policy(env, policy, t.agent, t.budget)
+  guarded = play_guarded(env, policy, t.agent, t.budget)
+  if not guarded.fits:
+    from launch.report import human_bytes
+    raise ScheduleError(
+        f"{t}: no plan over {', '.join(env.context.axes)} fits the memory budget of "
+        f"{human_bytes(env.context.budget)} per device; the closest, "
+        f"'{env.partitioned.strategy}', needs {human_bytes(env.exact_cost.peak_memory_bytes)}")
   return search.chosen_tactics(env)

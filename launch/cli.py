@@ -7,12 +7,12 @@ import argparse
 import os
 import sys
 
-from launch import (convert_command, corpus_command, evaluate_command, hardware_command,
-                    partition_command, plot_command, propose_command, search_command,
-                    train_command)
+from launch import (convert_command, corpus_command, evaluate_command, export_command,
+                    hardware_command, partition_command, plot_command, propose_command,
+                    search_command, train_command)
 
 COMMANDS = (partition_command, search_command, train_command, propose_command, evaluate_command,
-            plot_command, corpus_command, hardware_command, convert_command)
+            plot_command, corpus_command, hardware_command, export_command, convert_command)
 
 
 def build_parser() -> argparse.ArgumentParser:

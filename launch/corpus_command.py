@@ -34,8 +34,9 @@ examples:
 def add_parser(sub) -> None:
   p = sub.add_parser("corpus", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--split", choices=("train", "heldout", "real"),
-                 help="only the families of a split (real: HuggingFace Flax models)")
+  p.add_argument("--split", choices=("train", "heldout", "real", "external"),
+                 help="only the families of a split (real: HuggingFace Flax models; external: "
+                 "more of them, never trained on)")
   p.add_argument("--table", action="store_true",
                  help="simulate every expert strategy of each model (see --models)")
   p.add_argument("--models", metavar="SPECS",

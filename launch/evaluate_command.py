@@ -14,21 +14,27 @@ HELP = "evaluate agents on tasks across models, meshes and hardware"
 DESCRIPTION = """\
 Runs every agent on every task (a model on a mesh, hardware and memory budget) and reports
 each one's predicted step time as a ratio to the best strategy known for the task: the fastest
-that fits the budget over every agent ever evaluated on it, experts included (corpus models
-always get the expert agent; models of your own have no expert, so it is left out there).
+that fits the budget over every agent ever evaluated on it, experts included (every task gets
+the expert agent: the family's expert strategies, or for a model of your own the generic hand
+schedules).
 Results are kept in --store, one JSON line per (agent, agent version, task), so a re-run
 evaluates only what is missing and best-known figures only improve.
 
 Agents:
-  expert                  the best of the family's expert strategies
+  expert                  the best of the family's expert strategies (of the generic hand
+                          schedules for a model of your own)
   random, greedy          uniformly random legal actions; one-step look-ahead
   beam[:STEPS]            beam search of width 4 (default 200 environment steps)
   mcts[:SIMS]             Monte-Carlo tree search (default 100 simulations)
   ilp[:SECONDS]           integer program over the actions (HiGHS; default 60 s limit)
   policy:RUN              a trained policy, greedy decoding (kept up to the line's best state)
   policy+mcts:RUN[:SIMS]  policy-guided MCTS (default 16 simulations)
+  policy+guard:RUN        greedy decoding checked against the hand schedules (the best of
+                          them all wins), as `shardzero propose` answers
+  policy+mcts+guard:RUN[:SIMS]
+                          policy-guided MCTS checked the same way
 
-Tasks come from --suite (bundled: quick, scales; or a YAML file: see launch/suites.py) or from
+Tasks come from --suite (bundled: quick, scales, external; or a YAML file: launch/suites.py) or
 --models x --meshes x --hardware x --memory-budget. Prints a table per number of devices and a
 summary per agent and scale (mean ratio, share within 10%, decision time); --json, --csv,
 --plots and --markdown write the same results for machines, spreadsheets and people.
@@ -47,8 +53,9 @@ examples:
 def add_parser(sub) -> None:
   p = sub.add_parser("evaluate", help=HELP, description=DESCRIPTION, epilog=EXAMPLES,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--suite", help="a bundled suite (quick, scales) or a YAML suite file")
-  p.add_argument("--models", help="corpus names, families, splits (train, heldout, real) or "
+  p.add_argument("--suite", help="a bundled suite (quick, scales, external) or a YAML suite file")
+  p.add_argument("--models", help="corpus names, families, splits (train, heldout, real, "
+                 "external) or "
                  "module:function, separated by ',' or ';' (knobs like batch=8 stay with the "
                  "model before them)")
   p.add_argument("--meshes", help="';'-separated meshes, e.g. 'batch=4,model=2;batch=32,model=8'")
@@ -140,9 +147,8 @@ def run(args) -> int:
           file=sys.stderr)
   wanted, units = [], []
   for task in tasks:
-    # The expert is only defined for corpus models: every one gets it, others never do.
-    names = [a for a in agents if a != "expert"] + (
-        ["expert"] if task.model.partition(":")[0] in corpus.FAMILIES else [])
+    # Every task gets the expert (the generic hand schedules for a user's program).
+    names = [a for a in agents if a != "expert"] + ["expert"]
     keys = [(a, versions[a], task.key, args.max_steps, args.seed) for a in names]
     wanted += [k for k in keys if k[0] in agents]
     missing = tuple((k[0], k[1]) for k in keys if not store.has(k))
@@ -152,20 +158,22 @@ def run(args) -> int:
   _run_units(units, store, args.jobs, quiet, args.launcher, args.address)
   rows = ev.with_ratios(store.latest(wanted), store.best_known())
   summary = ev.summarize(rows)
-  splits = {ev.split_of(r["model"]) for r in rows}
-  heldout = ev.summarize(rows, "heldout") if "heldout" in splits and len(splits) > 1 else None
+  splits = sorted({ev.split_of(r["model"]) for r in rows}, key=list(SPLIT_TITLES).index)
+  by_split = {s: ev.summarize(rows, s) for s in splits} if len(splits) > 1 else {}
   result = {"suite": suite.name, "agents": agents, "versions": versions,
             "tasks": [t.key for t in tasks], "results": rows, "summary": summary,
-            "summary_heldout": heldout}
+            "summary_heldout": by_split.get("heldout"), "summary_by_split": by_split}
+  sections = [("summary", summary)] + [(f"summary: {SPLIT_TITLES[s]}", by_split[s])
+                                       for s in splits if by_split]
   if args.json:
     report.write_json(result, args.json)
   if args.csv:
     _write_csv(rows, args.csv)
   plots = _plot(rows, args.plots) if args.plots else []
   if args.markdown:
-    _write_markdown(args, suite, agents, rows, summary, heldout, plots)
+    _write_markdown(args, suite, agents, rows, sections, plots)
   if not quiet:
-    _print(rows, summary, heldout, agents)
+    _print(rows, sections, agents)
   errors = [r for r in rows if "error" in r]
   for r in errors:
     print(f"shardzero evaluate: {r['agent']} on {r['task']}: {r['error']}", file=sys.stderr)
@@ -219,6 +227,10 @@ def _ratio(r) -> str:
   return f"{r['ratio']:.2f}" + ("" if r["fits"] else "!")
 
 
+# Where the tasks' programs come from (`launch.evaluation.split_of`), as summaries title them.
+SPLIT_TITLES = {"train": "corpus families trained on", "heldout": "held-out corpus families",
+                "real": "HuggingFace models of the real-models tier",
+                "external": "external programs, never trained on", "user": "your own programs"}
 SUMMARY_COLUMNS = ["agent", "devices", "tasks", "mean ratio", "within 10%", "decision s"]
 
 
@@ -228,7 +240,7 @@ def _summary_row(s) -> list[str]:
           fmt(s["within_10pct"], "{:.0%}"), fmt(s["mean_decide_s"], "{:.2f}")]
 
 
-def _print(rows, summary, heldout, agents) -> None:
+def _print(rows, sections, agents) -> None:
   out = report.console()
   by_task: dict = {}
   for r in rows:
@@ -244,7 +256,7 @@ def _print(rows, summary, heldout, agents) -> None:
     out.print(report.table(f"{devices} devices: step time / best known (! over the memory "
                            "budget)", ["model", "mesh", "hardware", "budget"] + agents,
                            table_rows))
-  for title, rows_ in (("summary", summary), ("summary: held-out families", heldout)):
+  for title, rows_ in sections:
     if rows_:
       out.print(report.table(title, SUMMARY_COLUMNS, [_summary_row(s) for s in rows_]))
 
@@ -314,7 +326,7 @@ def _plot(rows, directory: str) -> list[str]:
   return paths
 
 
-def _write_markdown(args, suite, agents, rows, summary, heldout, plots) -> None:
+def _write_markdown(args, suite, agents, rows, sections, plots) -> None:
   fmt = lambda x, f: "-" if x is None else f.format(x)
   here = os.path.dirname(os.path.abspath(args.markdown))
   command = "shardzero evaluate " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else \
@@ -326,9 +338,10 @@ def _write_markdown(args, suite, agents, rows, summary, heldout, plots) -> None:
            "fastest that fits, over every agent and expert evaluated on it); `!` marks a plan "
            "over the memory budget. Decision time is wall time per episode on the machine that "
            "ran it."]
-  for title, rows_ in (("Summary", summary), ("Summary: held-out families", heldout)):
+  for title, rows_ in sections:
     if rows_:
-      lines += ["", f"## {title}", "", "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+      lines += ["", f"## {title[0].upper()}{title[1:]}", "",
+                "| " + " | ".join(SUMMARY_COLUMNS) + " |",
                 "|---|" + "---:|" * (len(SUMMARY_COLUMNS) - 1)]
       lines += ["| " + " | ".join(_summary_row(s)) + " |" for s in rows_]
   lines += [""] + [f"![{os.path.basename(p)}]({os.path.relpath(p, here)})" for p in plots]

@@ -21,15 +21,17 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 3, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 6,
-                  "policy": 4, "policy+mcts": 4}
-DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "beam": 200}
+AGENT_VERSIONS = {"expert": 4, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 6,
+                  "policy": 4, "policy+mcts": 4, "policy+guard": 1, "policy+mcts+guard": 1}
+DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
+                  "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
 
 
 class AgentSpec(NamedTuple):
   """`mcts:64`, `ilp:30` (a time limit in seconds), `policy:runs/demo`,
-  `policy+mcts:runs/demo:16`."""
+  `policy+mcts:runs/demo:16`; `policy+guard:RUN` and `policy+mcts+guard:RUN:16` are those
+  checked against the hand schedules, as `propose` plays them (`agents.guard`)."""
   kind: str
   run: str | None = None       # a policy's run directory
   number: int | None = None    # simulations (mcts, policy+mcts), steps (beam), seconds (ilp)
@@ -44,11 +46,12 @@ def parse_agent(text: str) -> AgentSpec:
   kind, _, rest = text.strip().partition(":")
   if kind not in AGENT_VERSIONS:
     raise ShardzeroError(f"unknown agent {text!r}; agents: expert, random, greedy, beam[:STEPS], "
-                         "mcts[:SIMS], ilp[:SECONDS], policy:RUN, policy+mcts:RUN[:SIMS]")
+                         "mcts[:SIMS], ilp[:SECONDS], policy:RUN, policy+mcts:RUN[:SIMS], "
+                         "policy+guard:RUN, policy+mcts+guard:RUN[:SIMS]")
   run, number = None, DEFAULT_NUMBER.get(kind)
   if kind.startswith("policy"):
     head, sep, tail = rest.rpartition(":")
-    if kind == "policy+mcts" and sep and tail.isdigit():
+    if kind.startswith("policy+mcts") and sep and tail.isdigit():
       rest, number = head, int(tail)
     if not rest:
       raise ShardzeroError(f"agent {text!r} needs a run directory: {kind}:RUN")
@@ -165,10 +168,18 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   from agents.loggers import InMemoryLogger
   extra: dict = {}
   if spec.kind.startswith("policy"):
-    from agents.decoding import play_policy
     policy = _policy(spec.run)
-    seconds, simulations = play_policy(env, policy, "mcts" if spec.kind == "policy+mcts" else
-                                       "greedy", spec.number or 1)
+    search = "mcts" if spec.kind.startswith("policy+mcts") else "greedy"
+    if spec.kind.endswith("+guard"):
+      from agents.guard import play_guarded
+      g = play_guarded(env, policy, search, spec.number or 1)
+      return {"decide_s": g.policy_s + g.guard_s, "simulations": g.simulations,
+              "guard": {"winner": g.winner, "policy_step_time_s": g.policy_step_s,
+                        "policy_peak_memory_bytes": g.policy_peak_bytes,
+                        "policy_fits": g.policy_fits, "policy_s": g.policy_s,
+                        "guard_s": g.guard_s}}
+    from agents.decoding import play_policy
+    seconds, simulations = play_policy(env, policy, search, spec.number or 1)
     return {"decide_s": seconds, "simulations": simulations}
   from launch.search_command import make_actor
   if spec.kind == "ilp":
@@ -328,7 +339,8 @@ def with_ratios(rows: list[dict], best: dict[str, float]) -> list[dict]:
 
 
 def split_of(model: str) -> str:
-  """The corpus split of a model's family ("train", "heldout", "real"), or "user"."""
+  """The corpus split of a model's family ("train", "heldout", "real", "external"), or
+  "user"."""
   import corpus
   family = corpus.FAMILIES.get(model.partition(":")[0])
   return family.split if family is not None else "user"

@@ -6,27 +6,34 @@ import argparse
 
 from launch import report
 from launch.partition_command import _mesh_size
-from launch.search_command import _print, strategy_result
+from launch.search_command import strategy_result
 
 HELP = "propose a partitioning strategy with a trained policy"
 
 DESCRIPTION = """\
-Loads the policy checkpointed in --policy (a 'shardzero train' run directory), decodes a
-strategy for MODEL over --mesh greedily (the most likely legal action other than finish, until
-three in a row have not beaten the line's best state, which is kept: the simulator costs each
-state anyway, so it, not the policy, says where the line ends), or with
---search mcts lets the policy's prior and value guide --budget simulations of tree search (and
-keeps the greedy strategy where the search found nothing better), applies it with the
-partitioner and prints the schedule with its predicted step time and memory next to the best
-expert strategy (corpus models). --verify runs the partitioned program on local devices against
-the unpartitioned one.
+Loads the policy checkpointed in --policy (a 'shardzero train' run directory; by default the
+policy shipped with shardzero, policies/default), decodes a strategy for MODEL over --mesh
+greedily (the most likely legal action other than finish, until three in a row have not beaten
+the line's best state, which is kept: the simulator costs each state anyway, so it, not the
+policy, says where the line ends), or with --search mcts lets the policy's prior and value
+guide --budget simulations of tree search (and keeps the greedy strategy where the search found
+nothing better).
+
+The answer is never worse than a hand schedule: the generic ones (data parallelism, ZeRO 1-3,
+HSDP, Megatron and their mixtures; the family's expert strategies for corpus models) are
+costed from the same start, and the best plan by the simulator wins: what fits the memory
+budget before what does not, then the fastest. The output says which won and by how much.
+Where no plan fits, it says so, shows the closest, and exits with status 1.
+
+--verify runs the answer on local devices against the unpartitioned program.
 """
 
 EXAMPLES = """\
 examples:
-  shardzero propose t5:mini --mesh batch=4,model=2 --policy runs/demo
+  shardzero propose t5:mini --mesh batch=4,model=2
   shardzero propose moe:mini --mesh batch=4,model=2 --policy runs/demo --search mcts --budget 50
-  shardzero propose mlp:mini --mesh batch=4,model=2 --policy runs/demo --verify --json -
+  shardzero propose my_model.py:train_step --mesh data=8,fsdp=4,tensor=8 --memory-budget 60GiB
+  shardzero propose mlp:mini --mesh batch=4,model=2 --verify --json -
 """
 
 
@@ -35,7 +42,8 @@ def add_parser(sub) -> None:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("model", help="corpus name or module:function / path.py:function")
   p.add_argument("--mesh", required=True, help="named mesh axes, e.g. batch=4,model=2")
-  p.add_argument("--policy", required=True, metavar="RUN_DIR", help="a training run directory")
+  p.add_argument("--policy", metavar="RUN_DIR", help="a training run directory; default: the "
+                 "shipped policy (policies/default)")
   p.add_argument("--hardware", default="h100", help="catalog name or spec file; default h100")
   p.add_argument("--memory-budget", metavar="BYTES", help="bytes per device, e.g. 16GiB")
   p.add_argument("--search", choices=("greedy", "mcts"), default="greedy",
@@ -49,9 +57,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
   import corpus
-  from agents.search.expert import best_expert, evaluate_experts
+  import policies
+  from agents.guard import play_guarded
   from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
-  from agents.decoding import play_policy
   from learners.policies import load_policy
   from partitioner.cost import load_hardware
   from partitioner.errors import ShardzeroError
@@ -61,29 +69,49 @@ def run(args) -> int:
   load_hardware(args.hardware)
   if args.budget < 1:
     raise ShardzeroError("--budget must be positive")
-  policy = load_policy(args.policy)
+  run_dir = args.policy or policies.DEFAULT
+  policy = load_policy(run_dir)
   version = policy.version
   max_steps = args.max_steps or policy.max_steps
   if max_steps < 1:
     raise ShardzeroError("--max-steps must be positive")
   budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-  is_corpus = args.model.partition(":")[0] in corpus.FAMILIES
-  if is_corpus:
+  if corpus.family_of(args.model):
     corpus.parse(args.model)
   task = Task(args.model, args.mesh, args.hardware, budget)
   out = report.console()
-  env = PartitioningEnv(task, config=EnvConfig(max_steps=max_steps))
-  env.reset()
-  policy_s, simulations = play_policy(env, policy, args.search, args.budget)
+  status = out.status(f"tracing {args.model}") if not args.json else None
+  if status:
+    status.start()
+  try:
+    env = PartitioningEnv(task, config=EnvConfig(max_steps=max_steps))
+    env.reset()
+    if status:
+      status.update("deciding with the policy and costing the hand schedules")
+    guarded = play_guarded(env, policy, args.search, args.budget)
+  finally:
+    if status:
+      status.stop()
   ctx = env.context
   found, cost = ctx.unfolded(env.partitioned), env.exact_cost
-  expert = best_expert(evaluate_experts(env.restart_clone())) if is_corpus else None
-  result = strategy_result(env, args.model, f"policy ({args.search})", expert, policy_s,
-                           simulations)
-  result.update({"policy": args.policy, "policy_version": version, "policy_time_s": policy_s,
-                 "cost_ratio_to_expert": None if expert is None else
-                 cost.step_time_s / expert.cost.step_time_s})
-  if args.verify:
+  result = strategy_result(env, args.model, f"policy ({args.search})", guarded.best_hand,
+                           guarded.policy_s, guarded.simulations)
+  result.update({
+      "policy": run_dir, "policy_version": version, "policy_time_s": guarded.policy_s,
+      "answer": result["schedule"] if guarded.fits else None, "fits": guarded.fits,
+      "winner": guarded.winner, "guard": guarded.summary(),
+      "guard_time_s": guarded.guard_s,
+      "policy_plan": {"schedule": guarded.policy_schedule, "step_time_s": guarded.policy_step_s,
+                      "peak_memory_bytes": guarded.policy_peak_bytes,
+                      "within_budget": guarded.policy_fits},
+      "hand_schedules": [{"name": h.name, "schedule": h.schedule, "error": h.error} |
+                         ({} if h.cost is None else
+                          {"step_time_s": h.cost.step_time_s,
+                           "peak_memory_bytes": h.cost.peak_memory_bytes,
+                           "within_budget": bool(h.fits)}) for h in guarded.hand],
+      "cost_ratio_to_expert": None if guarded.best_hand is None else
+      cost.step_time_s / guarded.best_hand.cost.step_time_s})
+  if args.verify and guarded.fits:
     from partitioner.verify import verify
     workload = corpus.load(args.model, abstract=False)
     verification = verify(found, workload.args)
@@ -91,15 +119,46 @@ def run(args) -> int:
     result["max_abs_err"] = float(verification.max_abs_err)
   if args.json:
     report.write_json(result, args.json)
-    if args.json == "-":
-      return 0
-  _print(out, result, found, ctx)
-  out.print(f"policy: {args.policy} (version {version}), decided and applied in "
-            f"{policy_s:.3f} s" + (f" with {simulations} simulations" if simulations else ""))
-  if result["cost_ratio_to_expert"] is not None:
-    out.print(f"step time / best expert: {result['cost_ratio_to_expert']:.3f}")
-  if args.verify:
+  if args.json != "-":
+    _print(out, result, found, ctx, guarded)
+  if not guarded.fits:
+    return 1
+  return 0 if result.get("verified", True) else 1
+
+
+def _print(out, result, found, ctx, guarded) -> None:
+  h, ms = report.human_bytes, lambda s: f"{s * 1e3:.3f} ms"
+  out.print(f"[bold]{result['model']}[/bold] on {found.mesh} ({found.mesh.device_count} devices, "
+            f"{result['hardware']}), memory budget {h(ctx.budget)} per device; "
+            f"{result['decision_points']} decision points, {result['actions']} actions")
+  if guarded.fits:
+    out.print(f"answer: {result['schedule'] or '(none: unpartitioned)'}")
+  else:
+    out.print(f"[bold]no plan fits in {h(ctx.budget)} per device[/bold], neither the policy's nor "
+              f"a hand schedule's; the closest needs {h(result['cost']['peak_memory_bytes'])}:")
+    out.print(f"closest (does not fit): {result['schedule'] or '(none: unpartitioned)'}")
+  for r in found.reports:
+    out.print(f"  {r.tactic}: {len(r.targets)} values tiled")
+  hand, plan = guarded.best_hand, result["policy_plan"]
+  rows = [("answer" if guarded.fits else "closest", result["cost"]["step_time_s"],
+           result["cost"]["peak_memory_bytes"], result["cost"]["within_budget"], guarded.winner)]
+  if not guarded.policy_won:
+    rows.append(("the policy's plan", plan["step_time_s"], plan["peak_memory_bytes"],
+                 plan["within_budget"], plan["schedule"] or "(none)"))
+  elif hand is not None:
+    rows.append(("best hand schedule", hand.cost.step_time_s, hand.cost.peak_memory_bytes,
+                 hand.fits, hand.name))
+  table_rows = [(label, ms(step), h(peak), "yes" if fits else "no", what)
+                for label, step, peak, fits, what in rows]
+  table_rows.append(("unpartitioned", ms(result["unpartitioned_step_time_s"]), "", "", ""))
+  out.print(report.table("predicted per device", ["plan", "step", "peak memory", "in budget",
+                                                  "from"], table_rows,
+                         justify={1: "right", 2: "right"}))
+  out.print(f"guard: {result['guard']}; {len(guarded.hand)} hand schedules costed in "
+            f"{result['guard_time_s']:.2f} s")
+  sims = result["simulations"]
+  out.print(f"policy: {result['policy']} (version {result['policy_version']}), decided in "
+            f"{result['policy_time_s']:.3f} s" + (f" with {sims} simulations" if sims else ""))
+  if "verified" in result:
     out.print(f"verify: {'OK' if result['verified'] else 'MISMATCH'} (max abs error "
               f"{result['max_abs_err']:.2e})")
-    return 0 if result["verified"] else 1
-  return 0

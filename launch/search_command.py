@@ -23,10 +23,12 @@ Agents:
   beam     beam search of width --width; --budget environment steps at most
   greedy   one-step look-ahead while the score improves
   random   uniformly random legal actions (--seed)
-  expert   the best of the corpus' expert strategies for the model family
+  expert   the best of the corpus' expert strategies for the model family (the generic hand
+           schedules for a model of your own)
 
-Prints the schedule found, its predicted cost next to the best expert strategy's (for corpus
-models), and the search time. The schedule replays with 'shardzero partition --tactics'.
+Prints the schedule found, its predicted cost next to the best expert strategy's (the
+family's, or the generic hand schedules' for a model of your own), and the search time. The
+schedule replays with 'shardzero partition --tactics'.
 """
 
 EXAMPLES = """\
@@ -65,7 +67,7 @@ def _cost_dict(cost, budget) -> dict:
 def strategy_result(env, model: str, agent: str, expert, search_s: float,
                     simulations: int) -> dict:
   """What `search` and `propose` report (and write as JSON) for the strategy an episode of
-  `env` found, next to the best expert's (None for a model without experts)."""
+  `env` found, next to the best expert's (None where no expert strategy applies)."""
   ctx = env.context
   found, cost = ctx.unfolded(env.partitioned), env.exact_cost
   return {
@@ -130,11 +132,9 @@ def run(args) -> int:
     search_s = time.perf_counter() - start
     episode_return = float(record["episode_return"])
     found = env.context.unfolded(env.partitioned)
-    expert = None
-    if args.model.partition(":")[0] in corpus.FAMILIES:
-      if status:
-        status.update("costing the expert strategies")
-      expert = best_expert(evaluate_experts(env.restart_clone()))
+    if status:
+      status.update("costing the expert strategies")
+    expert = best_expert(evaluate_experts(env.restart_clone()))
   finally:
     if status:
       status.stop()

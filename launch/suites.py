@@ -75,7 +75,21 @@ def _scales() -> Suite:
                "4096 devices", ("expert", "greedy", "mcts:100", "ilp"), tuple(tasks))
 
 
-SUITES = {"quick": _quick, "scales": _scales}   # built when asked for: they import the corpus
+def _external() -> Suite:
+  """Programs nobody here wrote, never trained on (the corpus' external split: HuggingFace
+  Flax Llama, Mistral, OPT, GPT-Neo, BART, RoBERTa, BLOOM and Gemma at published shapes), at
+  64, 256 and 1024 H100s and on a three-axis mesh with names of its own, one sequence or
+  image per device: where a policy's proposals for users' programs are measured."""
+  models = ["hf_llama:1b", "hf_llama:7b", "hf_mistral:7b", "hf_opt:1.3b", "hf_gptneo:1.3b",
+            "hf_bart:large", "hf_roberta:large", "hf_bloom:560m", "hf_gemma:2b"]
+  tasks = task_group(models, ["batch=8,model=8", "batch=32,model=8", "batch=128,model=8",
+                              "data=4,fsdp=8,tensor=8"], batch_per_device=1)
+  return Suite("external", "HuggingFace Flax models never trained on, at published shapes, 64 "
+               "to 1024 H100s (weak scaling, one example per device)",
+               ("expert", "mcts:100", "ilp"), tuple(tasks))
+
+
+SUITES = {"quick": _quick, "scales": _scales, "external": _external}   # built when asked for
 
 
 def load_suite(name: str) -> Suite:

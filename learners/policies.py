@@ -53,3 +53,18 @@ class PolicyCache:
 
   def clear(self) -> None:
     self._loaded.clear()
+
+
+def export_policy(run_dir: str, out_dir: str) -> TrainedPolicy:
+  """Writes to `out_dir` the policy of `run_dir` as it is played and nothing more: the run's
+  config and a checkpoint of only the parameters `load_policy` plays, with their version (a
+  few hundred kB, where the learner's whole state with its optimizer is several times that).
+  What `policies/default` ships."""
+  policy = load_policy(run_dir)
+  config = RunConfig.load(run_dir)
+  os.makedirs(out_dir, exist_ok=True)
+  config.save(out_dir)
+  state = (policy.params, None, np.asarray(policy.version), None)
+  checkpointing.save(os.path.join(out_dir, checkpointing.FILENAME),
+                     {"learner": {"counts": {"steps": policy.version}, "state": state}})
+  return load_policy(out_dir)

@@ -1,4 +1,5 @@
-"""The expert agent: plays the best of the corpus' expert strategies for the task."""
+"""The expert agent: plays the best of the corpus' expert strategies for the task (the generic
+hand schedules for a program of no corpus family)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from agents.search.planning import Plan, PlanningActor
 from corpus.experts import best as best_of
 from corpus.experts import evaluate_experts as evaluate_schedules
 from environments.protocols import SearchEnvironment
-from partitioner.errors import ShardzeroError, WorkloadError
+from partitioner.errors import ShardzeroError
 
 
 class ExpertPlay(NamedTuple):
@@ -25,9 +26,13 @@ class ExpertPlay(NamedTuple):
 
 
 def evaluate_experts(env: SearchEnvironment) -> list[ExpertPlay]:
-  """Every expert strategy of the task's model family (`corpus.experts.evaluate_experts`),
-  played from `env`'s current state in a clone, costed on the task's own program. Strategies
-  with an action that is not legal here are kept with the reason."""
+  """Every expert strategy of the task's model family, or the generic ones for a program of
+  no corpus family (`corpus.experts.evaluate_experts`) over the axes the task acts on, each
+  innermost one as the model axis, played from `env`'s current state in a clone, costed on
+  the task's own program. Strategies with an action that is not legal
+  here are kept with the reason."""
+  from corpus.registry import family_of
+  from partitioner.cost import Placement
   from partitioner.tactics import parse_schedule
   played: dict[str, tuple[tuple[int, ...], float]] = {}
 
@@ -42,12 +47,9 @@ def evaluate_experts(env: SearchEnvironment) -> list[ExpertPlay]:
     return trial.exact_cost
 
   ctx = env.context
-  try:
-    ran = evaluate_schedules(env.task.model.partition(":")[0], ctx.mesh.names, cost,
-                             budget=ctx.budget)
-  except WorkloadError:
-    raise WorkloadError(f"the expert agent needs a corpus model; {env.task.model!r} has no "
-                        "expert strategies") from None
+  inner = Placement(ctx.mesh, ctx.hardware).innermost()
+  ran = evaluate_schedules(family_of(env.task.model), ctx.axes, cost, budget=ctx.budget,
+                           model_axes=inner)
   out = []
   for r in ran:
     if r.cost is None:

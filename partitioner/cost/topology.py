@@ -60,3 +60,23 @@ class Placement:
 
   def describe(self) -> dict[str, str]:
     return {a: self.level(a) for a in self.mesh.names}
+
+  def nodes(self, axis: str) -> int:
+    """How many nodes one group of `axis` spans."""
+    return self.group((axis,)).inter
+
+  def slots(self) -> tuple[str, ...]:
+    """The axes by where they land, not by name or written order: fewest nodes spanned first,
+    then smallest, then the mesh's order. Meshes that differ only in their axes' names, or in
+    an order that puts each axis on the same links (`batch=4,model=2` and `model=2,batch=4`
+    inside one 8-GPU node), list the same sizes on the same links."""
+    sizes = self.mesh.sizes
+    ranked = sorted(enumerate(self.mesh.names),
+                    key=lambda ia: (self.nodes(ia[1]), sizes[ia[1]], ia[0]))
+    return tuple(a for _, a in ranked)
+
+  def innermost(self) -> tuple[str, ...]:
+    """The axes that span the fewest nodes, in the mesh's order: where tensor parallelism
+    belongs (every axis of a mesh inside one node)."""
+    fewest = min(self.nodes(a) for a in self.mesh.names)
+    return tuple(a for a in self.mesh.names if self.nodes(a) == fewest)

@@ -7,7 +7,7 @@ import pytest
 
 import corpus
 import partitioner as P
-from corpus.experts import FAMILY_STRATEGIES, STRATEGIES
+from corpus.experts import FAMILY_STRATEGIES, GENERIC, STRATEGIES
 from partitioner.cost import simulate
 from partitioner.verify import verify
 
@@ -117,3 +117,30 @@ def test_one_axis_meshes_get_the_one_axis_strategies():
       "BatchParallel(pod); BatchParallel(data); ExpertParallel(expert)"
   with pytest.raises(P.WorkloadError, match="no expert strategies for 'llama'"):
     corpus.experts("llama")
+
+
+def test_meshes_of_three_and_four_axes_also_shard_over_the_inner_axes_only():
+  three = corpus.experts("gpt", ("data", "fsdp", "tensor"))
+  assert three["dp+megatron+zero3(fsdp)"] == ("BatchParallel(data); BatchParallel(fsdp); "
+                                              "Megatron(tensor); ZeRO(fsdp, stage=3)")
+  assert three["zero3(fsdp,tensor)"] == ("BatchParallel(data); BatchParallel(fsdp); "
+                                         "BatchParallel(tensor); ZeRO(fsdp, stage=3); "
+                                         "ZeRO(tensor, stage=3)")
+  assert three["dp+megatron+zero3"].endswith("ZeRO(data, stage=3); ZeRO(fsdp, stage=3)")
+  four = corpus.experts(None, ("pod", "data", "fsdp", "tensor"))
+  assert {"zero3", "zero3(data,fsdp,tensor)", "zero3(fsdp,tensor)", "hsdp", "dp+megatron+zero3",
+          "dp+megatron+zero3(data,fsdp)", "dp+megatron+zero3(fsdp)"} <= set(four)
+  # Two axes: the family's strategies as they were; no family: the generic ones.
+  assert set(corpus.experts("gpt", ("batch", "model"))) == set(FAMILY_STRATEGIES["gpt"])
+  assert set(corpus.experts(None, ("batch", "model"))) == set(GENERIC)
+  assert not {"dp+ep", "dp+sp", "dp+megatron+vocab"} & set(GENERIC)
+
+
+@pytest.mark.slow
+def test_the_three_axis_forms_run_correctly(programs):
+  workload, program = programs("gpt")
+  mesh = "data=2,fsdp=2,tensor=2"
+  schedules = corpus.experts("gpt", P.Mesh.parse(mesh).names)
+  for name in ("dp+megatron+zero3(fsdp)", "zero2(fsdp,tensor)"):
+    result = verify(P.apply(program, mesh, schedules[name]), workload.args)
+    assert result.ok, f"{name}: max error {result.max_abs_err} in {result.worst}"

@@ -232,11 +232,12 @@ def test_actions_name_the_values_they_tile_and_globals_what_is_sharded():
   ZeRO: optimizer state and batch) with its bytes by role; the globals give per role and axis the share of
   bytes sharded, which moves from 0 to 1 for the data when the batch is split."""
   from environments.actions import ROLES, TACTIC_KINDS
-  from environments.observations import MAX_AXES, MAX_RANK, PROGRAM_FEATURES, TOUCHED
+  from environments.observations import (MAX_AXES, MESH_FEATURES, PROGRAM_FEATURES, TOUCHED,
+                                         ActionColumns)
   env = PartitioningEnv(Task("gpt:mini", "batch=4,model=2"))
   obs = env.reset().observation
   program = env.context.program
-  role_share = len(TACTIC_KINDS) + 1 + MAX_AXES + 1 + MAX_RANK + 1
+  role_share = ActionColumns.ROLE
 
   def touched(name):
     i = env.action_index(name)
@@ -253,19 +254,21 @@ def test_actions_name_the_values_they_tile_and_globals_what_is_sharded():
   assert names == ["params/gpt/layer_0/w_in/w", "params/gpt/layer_1/w_in/w"]
   assert not obs["action_nodes_mask"][env.finish_action].any()
 
-  start = MAX_AXES + 8 + PROGRAM_FEATURES
+  start = MESH_FEATURES + PROGRAM_FEATURES
   shared = lambda o: o["globals"][start:start + len(ROLES) * MAX_AXES].reshape(len(ROLES),
                                                                                 MAX_AXES)
   assert shared(obs).sum() == 0
+  slot = env.context.graph.axis_index       # model (2) before batch (4): by where they land
+  assert (slot["model"], slot["batch"]) == (0, 1)
   after = shared(env.step(env.action_index("BatchParallel(batch)")).observation)
-  assert after[ROLES.index("data"), 0] == 1.0          # all of the batch over `batch`
+  assert after[ROLES.index("data"), slot["batch"]] == 1.0   # all of the batch over `batch`
   assert after[ROLES.index("param")].sum() == 0        # no parameter is split
   after = shared(env.step(env.action_index("Megatron(model)")).observation)
-  assert 0 < after[ROLES.index("param"), 1] < 1        # some of the parameters over `model`
+  assert 0 < after[ROLES.index("param"), slot["model"]] < 1   # some parameters over `model`
 
 def test_program_features_tell_model_families_apart():
   """The globals say what kind of model it is: convolution FLOPs, attention (batched) matmuls."""
-  from environments.observations import MAX_AXES, program_features
+  from environments.observations import MESH_FEATURES, program_features
   from partitioner import roles
   from partitioner.cost.compute import op_work
 
@@ -279,7 +282,7 @@ def test_program_features_tell_model_families_apart():
   # FLOPs per parameter byte: a quarter of the batch, two fewer bits of compute per byte.
   np.testing.assert_allclose(attention[12] - features("gpt:mini,batch=8")[12], 2 / 20, atol=0.01)
   ts = PartitioningEnv(Task("resnet:mini", "batch=4,model=2")).reset()
-  np.testing.assert_allclose(ts.observation["globals"][MAX_AXES + 8:MAX_AXES + 8 + len(conv)],
+  np.testing.assert_allclose(ts.observation["globals"][MESH_FEATURES:MESH_FEATURES + len(conv)],
                              conv)
 
 
@@ -400,8 +403,9 @@ def test_train_variants_demonstrate_more_strategy_families():
     env = PartitioningEnv(Task(model, "batch=4,model=2"))
     env.reset()
     best[model] = best_expert(evaluate_experts(env))
-  assert best["gpt:mini"].name == "zero2"
-  assert best["gpt:mini,batch=4"].name == "dp+megatron+vocab"
+  # ZeRO-2 inside the 4-way axis; at 4 sequences Megatron over it, embeddings split too.
+  assert best["gpt:mini"].name == "hzero2[batch]"
+  assert best["gpt:mini,batch=4"].name == "dp+megatron+vocab[batch]"
   assert 0 < best["resnet:mini"].score < best["resnet:mini,batch=1024"].score   # more per byte
   # data parallel, gradients and optimizer state sharded inside the model axis only
   assert best["resnet:mini,batch=1024"].name == "hzero2"

@@ -67,7 +67,8 @@ def test_partition_xla_table(capsys):
      "pattern 'params/nothing/*' matches no input or output"),
     (["no_such_module:fn", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
      "'no_such_module' is neither a corpus family (mlp, gpt, bert, vit, resnet, gnn, vmoe, t5, "
-     "moe, unet, ssm, hf_gpt2, hf_bert, hf_t5, hf_vit) nor an importable module"),
+     "moe, unet, ssm, hf_gpt2, hf_bert, hf_t5, hf_vit, hf_llama, hf_mistral, hf_opt, hf_gptneo, "
+     "hf_bart, hf_roberta, hf_bloom, hf_gemma) nor an importable module"),
     (["json.no_such:fn", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
      "no module 'json.no_such'"),
     (["tests/launch/missing.py:fn", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+import corpus
+
 from tests.launch.test_cli import run
 
 SUITE = """\
@@ -154,10 +156,13 @@ def test_summary_counts_only_fitting_results_within_10pct_and_filters_by_split()
   assert (a["tasks"], a["mean_ratio"], b["within_10pct"]) == (1, 1.05, 0.0)
 
 
-def test_a_user_model_is_evaluated_without_the_expert(capsys, tmp_path):
+def test_a_user_model_gets_the_generic_hand_schedules_as_its_expert(capsys, tmp_path):
   code, data, _ = _evaluate(capsys, "--models", "tests/launch/user_model.py:workload",
                             "--meshes", "batch=2", "--agents", "expert,greedy",
                             "--store", str(tmp_path / "r.jsonl"))
   assert code == 0
-  (row,) = data["results"]
-  assert row["agent"] == "greedy" and row["ratio"] == 1.0 and "error" not in row
+  rows = {r["agent"]: r for r in data["results"]}
+  assert set(rows) == {"expert", "greedy"}
+  assert all("error" not in r for r in rows.values())
+  assert rows["expert"]["schedule"] in corpus.experts(None, ("batch",)).values()
+  assert min(r["ratio"] for r in rows.values()) == 1.0

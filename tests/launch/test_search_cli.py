@@ -65,7 +65,11 @@ def test_search_bad_input_is_one_line(capsys, argv, message):
   assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_search_expert_agent_needs_a_corpus_model(capsys):
-  code, _, err = run(capsys, "search", "tests/launch/user_model.py:workload", "--mesh",
-                     "batch=8", "--agent", "expert")
-  assert code == 2 and "corpus model" in err
+def test_the_expert_agent_plays_the_generic_hand_schedules_on_a_users_model(capsys):
+  import corpus
+  code, out, err = run(capsys, "search", "tests/launch/user_model.py:workload", "--mesh",
+                       "batch=8", "--agent", "expert", "--json", "-")
+  data = json.loads(out)
+  assert code == 0, err
+  assert data["schedule"] == data["expert"]["schedule"]
+  assert data["expert"]["name"] in corpus.experts(None, ("batch",))

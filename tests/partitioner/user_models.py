@@ -136,3 +136,41 @@ def flax_scanned_blocks(layers=6, d=64, ffn=256, batch=16, seq=8):
     return state.apply_gradients(grads=grads), value
 
   return train_step, (state, {"x": x, "y": y})
+
+
+RENAMES = {"embed": "tok_embeddings", "layers": "blocks", "wq": "q_proj", "wk": "k_proj",
+           "wv": "v_proj", "wo": "o_proj", "w1": "up_proj", "w2": "down_proj", "ln": "norm_scale",
+           "tokens": "input_ids", "targets": "labels"}
+
+
+def renamed_scanned_decoder(**knobs):
+  """`scanned_decoder` with every parameter and batch entry under another name (keys that
+  also sort in another order): the same program, as someone else would name it."""
+  fn, args = scanned_decoder(**knobs)
+  names = RENAMES
+  back = {v: k for k, v in names.items()}
+
+  def rename(tree, table):
+    if isinstance(tree, dict):
+      return {table.get(k, k): rename(v, table) for k, v in tree.items()}
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):   # optax's states
+      return type(tree)(*(rename(v, table) for v in tree))
+    if isinstance(tree, (tuple, list)):
+      return type(tree)(rename(v, table) for v in tree)
+    return tree
+
+  def train_step(params, opt_state, data):
+    return rename(fn(rename(params, back), rename(opt_state, back), rename(data, back)), names)
+  return train_step, rename(args, names)
+
+
+WIDE = dict(layers=4, d=1024, heads=16, ffn=4096, vocab=32000, batch=64, seq=512)
+
+
+def wide_decoder():
+  """`scanned_decoder` at widths where partitioning pays on 8 H100s."""
+  return scanned_decoder(**WIDE)
+
+
+def renamed_wide_decoder():
+  return renamed_scanned_decoder(**WIDE)

@@ -1,0 +1,89 @@
+"""A trained policy's plan, checked against the hand schedules before anyone is given it.
+
+A policy is only as good as the programs it trained on. Asked for plans for real programs in
+other idioms at 64-1024 devices, the scales policy was 5-28x slower than the best known, and
+some of its plans did not fit in memory, while the generic hand schedules (`corpus.experts`:
+data parallelism, ZeRO 1-3, HSDP, Megatron and their mixtures) were never far off. Costing
+them takes seconds, the environment's cache of states shared with the policy's own line. So
+`propose`, `Auto(policy=...)` and the guarded evaluation agents play the policy, cost the hand
+schedules from the same start, and play the best by the one rule (`corpus.experts.preference`):
+what fits before what does not, then the fastest. The policy wins ties.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from agents.decoding import TrainedPolicy, play_policy
+from agents.search.expert import ExpertPlay, evaluate_experts
+from agents.search.planning import path_to, play
+from corpus.experts import preference
+
+
+class Guarded(NamedTuple):
+  """What `play_guarded` played and why."""
+  winner: str                   # "policy", or the name of the hand schedule that beat it
+  fits: bool                    # whether what was played fits the budget (False: nothing did)
+  policy_step_s: float          # the policy's own plan, as the simulator costs it
+  policy_peak_bytes: float
+  policy_fits: bool
+  policy_schedule: str
+  best_hand: ExpertPlay | None  # the best hand schedule (None where none applies)
+  hand: tuple[ExpertPlay, ...]  # every hand schedule, with why those that did not apply failed
+  policy_s: float               # seconds the policy took to decide
+  simulations: int              # the policy-guided search's simulations (0 for greedy)
+  guard_s: float                # seconds costing the hand schedules took
+
+  @property
+  def policy_won(self) -> bool:
+    return self.winner == "policy"
+
+  def summary(self) -> str:
+    """One line: which plan won and by how much."""
+    hand = self.best_hand
+    if hand is None:
+      return "no hand schedule applies here; the policy's plan stands"
+    h_s, p_s = hand.cost.step_time_s, self.policy_step_s
+    memory = self.policy_peak_bytes / hand.cost.peak_memory_bytes
+    if not self.policy_fits and not hand.fits:
+      closest = "the policy's plan" if self.policy_won else f"the hand schedule {hand.name}"
+      return (f"nothing fits; {closest} comes closest (the policy's plan needs {memory:.2f}x "
+              f"the memory of the best hand schedule, {hand.name})")
+    if self.policy_won:
+      if not hand.fits:
+        return f"the policy's plan fits; the best hand schedule ({hand.name}) does not"
+      margin = f"{h_s / p_s - 1:.1%} faster than" if p_s < h_s * (1 - 1e-9) else "as fast as"
+      return f"the policy's plan is {margin} the best hand schedule ({hand.name})"
+    why = f"{p_s / h_s:.2f}x its step time" if self.policy_fits else "over the memory budget"
+    return f"the hand schedule {hand.name} beat the policy's plan ({why})"
+
+
+def play_guarded(env, policy: TrainedPolicy, search: str = "greedy",
+                 budget: int = 50) -> Guarded:
+  """Plays in `env`, from its current state to the end, the better of `policy`'s plan (greedy
+  or policy-guided MCTS with `budget` simulations, `agents.decoding.play_policy`) and the best
+  hand schedule for the task's program over the axes it acts on."""
+  start = len(env.history)
+  line = env.clone()
+  policy_s, simulations = play_policy(line, policy, search, budget)
+  began = time.perf_counter()
+  hand = tuple(evaluate_experts(env))
+  ran = [h for h in hand if h.cost is not None]
+  best_hand = min(ran, key=lambda h: preference(h.cost.step_time_s, h.cost.peak_memory_bytes,
+                                                h.fits), default=None)
+  cost = line.exact_cost
+  policy_fits = cost.peak_memory_bytes <= line.context.budget
+  mine = preference(cost.step_time_s, cost.peak_memory_bytes, policy_fits)
+  if best_hand is None or mine <= preference(best_hand.cost.step_time_s,
+                                             best_hand.cost.peak_memory_bytes, best_hand.fits):
+    play(env, path_to(line, start))
+    winner, fits = "policy", policy_fits
+  else:
+    play(env, best_hand.actions)
+    if not env.done:
+      env.step(env.finish_action)
+    winner, fits = best_hand.name, bool(best_hand.fits)
+  return Guarded(winner, fits, cost.step_time_s, cost.peak_memory_bytes, policy_fits,
+                 line.partitioned.strategy, best_hand, hand, policy_s, simulations,
+                 time.perf_counter() - began)

@@ -1,0 +1,82 @@
+"""The guard on a policy's plan (`agents.guard`): what is played is the best of the policy's
+plan and the hand schedules by the one rule (fits first, then fastest), on a program of no
+corpus family too; where nothing fits, the closest is played and said not to fit."""
+
+import pytest
+
+from agents.decoding import TrainedPolicy
+from agents.guard import play_guarded
+from corpus.experts import preference
+from environments import EnvConfig, PartitioningEnv, Task
+from environments.observations import Sizes
+from learners.algorithms import make_builder
+
+USER = "tests/partitioner/user_models.py:scanned_decoder"   # a MaxText-style decoder, no family
+
+
+@pytest.fixture(scope="module")
+def untrained():
+  """A real policy network at its initial parameters: its plans are arbitrary."""
+  builder = make_builder("alphazero", {}, Sizes(512, 1024, 128))
+  networks = builder.make_networks()
+  return TrainedPolicy(networks, builder.init_params(networks, seed=3), 0, 8, "untrained")
+
+
+def _guarded(policy, mesh, budget=None, model=USER, search="greedy"):
+  env = PartitioningEnv(Task(model, mesh, "h100", budget), config=EnvConfig(max_steps=8))
+  env.reset()
+  return env, play_guarded(env, policy, search, 4)
+
+
+def _played(env):
+  cost = env.exact_cost
+  return preference(cost.step_time_s, cost.peak_memory_bytes,
+                    cost.peak_memory_bytes <= env.context.budget)
+
+
+def _options(g):
+  """The preference of the policy's plan and of every hand schedule that applies."""
+  return [preference(g.policy_step_s, g.policy_peak_bytes, g.policy_fits)] + [
+      preference(h.cost.step_time_s, h.cost.peak_memory_bytes, h.fits)
+      for h in g.hand if h.cost is not None]
+
+
+@pytest.mark.parametrize("mesh", ["batch=4,model=2", "data=2,fsdp=2,tensor=2"])
+def test_what_is_played_is_the_best_of_the_policy_and_the_hand_schedules(untrained, mesh):
+  env, g = _guarded(untrained, mesh)
+  assert env.done and g.best_hand is not None
+  assert _played(env) == min(_options(g))
+  assert g.fits and {h.name for h in g.hand} >= {"dp", "zero3", "hsdp", "dp+megatron"}
+  if g.policy_won:
+    assert env.partitioned.strategy == g.policy_schedule
+    assert "the policy's plan is" in g.summary()
+  else:
+    assert env.partitioned.strategy == g.best_hand.schedule
+  if mesh.count("=") == 3:   # ZeRO over the inner axes only, on a mesh of three axes
+    assert "dp+megatron+zero3(fsdp)" in {h.name for h in g.hand}
+
+
+def test_a_plan_over_the_budget_loses_to_a_hand_schedule_that_fits(untrained):
+  _, roomy = _guarded(untrained, "batch=4,model=2")
+  peaks = sorted(h.cost.peak_memory_bytes for h in roomy.hand if h.cost is not None)
+  budget = int(peaks[0] * 1.001)          # only the leanest hand schedules fit
+  env, g = _guarded(untrained, "batch=4,model=2", budget)
+  assert g.fits and env.exact_cost.peak_memory_bytes <= budget
+  assert _played(env) == min(_options(g))
+  if not g.policy_fits:
+    assert not g.policy_won and "over the memory budget" in g.summary()
+
+
+def test_where_nothing_fits_the_closest_is_played_and_said_not_to_fit(untrained):
+  env, g = _guarded(untrained, "batch=4,model=2", budget=1000)
+  assert not g.fits and not g.policy_fits
+  peak = env.exact_cost.peak_memory_bytes
+  assert peak == min([g.policy_peak_bytes] + [h.cost.peak_memory_bytes for h in g.hand
+                                              if h.cost is not None])
+  assert peak > 1000
+
+
+def test_policy_guided_search_is_guarded_too(untrained):
+  env, g = _guarded(untrained, "batch=4,model=2", model="mlp:mini", search="mcts")
+  assert g.simulations == 4
+  assert _played(env) == min(_options(g))

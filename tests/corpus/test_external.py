@@ -1,0 +1,61 @@
+"""The external tier: HuggingFace Flax models no policy trains on, at published shapes. Each
+traces with a rule for every op and takes the generic hand schedules; the idioms the corpus
+lacks (grouped- and multi-query attention, a fused query_key_value, ALiBi, sliding windows)
+partition and run correctly."""
+
+import jax
+import pytest
+
+import corpus
+import partitioner as P
+from corpus.experts import GENERIC
+from corpus.workload import parameter_count
+from partitioner.verify import verify
+
+pytestmark = pytest.mark.slow   # HuggingFace models traced and compiled
+
+EXTERNAL = corpus.split("external")
+
+
+@pytest.fixture(scope="module")
+def programs():
+  cache = {}
+
+  def get(spec):
+    if spec not in cache:
+      workload = corpus.load(spec)
+      cache[spec] = (workload, P.trace(workload.fn, *workload.args))
+    return cache[spec]
+  return get
+
+
+@pytest.mark.parametrize("family", EXTERNAL)
+def test_every_generic_hand_schedule_applies_with_a_rule_for_every_op(family, programs):
+  _, program = programs(f"{family}:small")
+  schedules = corpus.experts(family, ("batch", "model"))
+  assert set(schedules) == set(GENERIC)
+  for name in ("dp", "zero3", "dp+megatron"):
+    pp = P.apply(program, "batch=2,model=4", schedules[name])
+    assert pp.fallbacks == {}, (family, name, set(pp.fallbacks.values()))
+
+
+@pytest.mark.parametrize("family,strategy", [("hf_llama", "dp+megatron"),
+                                             ("hf_bloom", "dp+megatron"),
+                                             ("hf_gemma", "zero3")])
+def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, programs):
+  workload, program = programs(f"{family}:small")
+  pp = P.apply(program, "batch=2,model=4", corpus.experts(family)[strategy])
+  result = verify(pp, workload.args)
+  assert result.ok, f"{family} {strategy}: max error {result.max_abs_err} in {result.worst}"
+
+
+@pytest.mark.parametrize("spec,low,high", [
+    ("hf_llama:7b", 6.7e9, 6.8e9), ("hf_mistral:7b", 7.2e9, 7.3e9), ("hf_opt:1.3b", 1.3e9, 1.33e9),
+    ("hf_gptneo:125m", 124e6, 126e6), ("hf_bart:large", 400e6, 410e6),
+    ("hf_roberta:large", 354e6, 357e6), ("hf_bloom:560m", 558e6, 561e6),
+    ("hf_gemma:2b", 2.5e9, 2.52e9),
+])
+def test_published_shapes_have_published_parameter_counts(spec, low, high):
+  family, config = corpus.parse(spec)
+  shapes = jax.eval_shape(family.make(config)[1], jax.random.PRNGKey(0))
+  assert low < parameter_count(shapes[0]) < high

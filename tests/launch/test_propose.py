@@ -1,0 +1,97 @@
+"""`shardzero propose` with the shipped policy (`policies/default`): it works without
+--policy, on a program of no corpus family, never answers with a plan slower than the best
+hand schedule or over the memory budget, and says so where nothing fits."""
+
+import json
+import os
+
+import numpy as np
+import jax
+
+import policies
+from launch.cli import main
+from learners.policies import export_policy, load_policy
+
+SCANNED = "tests/partitioner/user_models.py:scanned_decoder"   # no corpus family
+
+
+def run(capsys, *argv):
+  code = main(list(argv))
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def test_the_shipped_policy_loads():
+  """It is a small run directory of the current observation version (`load_policy` refuses
+  others)."""
+  shipped = load_policy(policies.DEFAULT)
+  assert shipped.version > 0 and shipped.max_steps > 0
+  assert os.path.getsize(os.path.join(policies.DEFAULT, "checkpoint.ckpt")) < 1 << 20
+
+
+def test_exporting_it_again_changes_nothing_that_is_played(tmp_path):
+  shipped = load_policy(policies.DEFAULT)
+  again = export_policy(policies.DEFAULT, str(tmp_path / "copy"))
+  assert again.version == shipped.version and again.max_steps == shipped.max_steps
+  for a, b in zip(jax.tree_util.tree_leaves(shipped.params),
+                  jax.tree_util.tree_leaves(again.params)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_propose_without_a_policy_answers_with_the_best_plan_it_costed(capsys):
+  code, out, err = run(capsys, "propose", SCANNED, "--mesh", "data=2,fsdp=2,tensor=2",
+                       "--json", "-")
+  assert code == 0, err
+  data = json.loads(out)
+  assert data["policy"] == policies.DEFAULT and data["fits"]
+  assert data["answer"] == data["schedule"]
+  step = data["cost"]["step_time_s"]
+  costed = [h for h in data["hand_schedules"] if "step_time_s" in h]
+  assert {h["name"] for h in costed} >= {"dp", "zero3", "dp+megatron+zero3(fsdp)"}
+  assert step <= min(h["step_time_s"] for h in costed if h["within_budget"]) * (1 + 1e-9)
+  assert step <= data["policy_plan"]["step_time_s"] * (1 + 1e-9)
+  if data["winner"] != "policy":
+    assert data["answer"] == next(h["schedule"] for h in costed if h["name"] == data["winner"])
+
+
+def test_where_nothing_fits_propose_says_so_and_fails(capsys):
+  code, out, _ = run(capsys, "propose", SCANNED, "--mesh", "batch=4,model=2",
+                     "--memory-budget", "1KiB")
+  assert code == 1
+  assert "no plan fits in 1.0 KiB per device" in out and "closest (does not fit)" in out
+  assert "answer:" not in out
+  code, out, _ = run(capsys, "propose", SCANNED, "--mesh", "batch=4,model=2",
+                     "--memory-budget", "1KiB", "--json", "-")
+  data = json.loads(out)
+  assert code == 1 and data["answer"] is None and not data["fits"]
+
+
+def test_auto_with_a_policy_refuses_to_apply_a_plan_that_does_not_fit(capsys):
+  schedule = f"BatchParallel(batch); Auto(model, policy='{policies.DEFAULT}', memory='1KiB')"
+  code, _, err = run(capsys, "partition", "mlp:mini", "--mesh", "batch=4,model=2", "--tactics",
+                     schedule)
+  assert code == 2 and "no plan over model fits the memory budget of 1.0 KiB" in err
+
+
+def _answer(capsys, model, mesh):
+  code, out, err = run(capsys, "propose", model, "--mesh", mesh, "--json", "-")
+  assert code == 0, err
+  data = json.loads(out)
+  return data["answer"], data["policy_plan"]["schedule"]
+
+
+def test_renaming_or_reordering_leaves_the_proposal_unchanged(capsys):
+  """The shipped policy and the guard give the same plan, up to names, for a decoder and the
+  same decoder with other parameter names on a mesh with other axis names, and for axes
+  written in another order inside one node."""
+  import re
+  from tests.partitioner.user_models import RENAMES
+  words = {**RENAMES, "batch": "data", "model": "tensor"}
+  rename = lambda text: re.sub(r"\b(" + "|".join(words) + r")\b", lambda m: words[m.group()],
+                               text)
+  decoder = "tests/partitioner/user_models.py:wide_decoder"
+  renamed = "tests/partitioner/user_models.py:renamed_wide_decoder"
+  answer, plan = _answer(capsys, decoder, "batch=4,model=2")
+  assert answer and plan
+  assert _answer(capsys, renamed, "data=4,tensor=2") == (rename(answer), rename(plan))
+  assert _answer(capsys, decoder, "model=2,batch=4") == (answer, plan)
