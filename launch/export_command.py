@@ -16,7 +16,7 @@ hundred kB: how policies/default, the policy shardzero ships, is made.
 
 EXAMPLES = """\
 examples:
-  shardzero export-policy runs/scales policies/default
+  shardzero export-policy runs/policy-seed0 policies/default
 """
 
 

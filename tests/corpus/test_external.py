@@ -41,7 +41,7 @@ def test_every_generic_hand_schedule_applies_with_a_rule_for_every_op(family, pr
 
 @pytest.mark.parametrize("family,strategy", [("hf_llama", "dp+megatron"),
                                              ("hf_bloom", "dp+megatron"),
-                                             ("hf_gemma", "zero3")])
+                                             ("hf_gemma", "zero3"), ("hf_opt", "hzero2")])
 def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, programs):
   workload, program = programs(f"{family}:small")
   pp = P.apply(program, "batch=2,model=4", corpus.experts(family)[strategy])
