@@ -80,7 +80,7 @@ policy-seeds: install
 # answers), greedy and guiding 10 simulations; seeds 1 and 2 beside it where trained.
 POLICY := policies/default
 POLICY_AGENTS = policy:$(POLICY),policy+guard:$(POLICY),policy+mcts:$(POLICY):10,policy+mcts+guard:$(POLICY):10
-SEED_AGENTS = $(foreach s,1 2,$(if $(wildcard runs/policy-seed$(s)/checkpoint.ckpt),$(comma)policy:runs/policy-seed$(s)$(comma)policy+mcts:runs/policy-seed$(s):10))
+SEED_AGENTS = $(subst $(space),,$(foreach s,1 2,$(if $(wildcard runs/policy-seed$(s)/checkpoint.ckpt),$(comma)policy:runs/policy-seed$(s)$(comma)policy+mcts:runs/policy-seed$(s):10)))
 
 # Agents across scales (docs/scales.md): the bundled `scales` suite, with the shipped policy
 # and the demo's policy where there is one.
@@ -102,6 +102,8 @@ fuzz: install
 	$(PY) benchmarks/fuzz_partitioner.py --examples $(N) --out benchmarks/results/fuzz.json
 
 comma := ,
+empty :=
+space := $(empty) $(empty)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -105,10 +105,11 @@ FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
 
 def _inner_forms(names: Sequence[str], data: tuple[str, ...], model: str) -> dict[str, str]:
   """On a mesh of three or more axes, the ZeRO strategies among `names` again with ZeRO over
-  only the innermost k of the axes it shards in the full form (1 < k < all; k = 1 is hsdp and
-  hzero2, and for the 2D mixtures k = 1 too): shard inside the inner groups, where the
-  gathers and reduce-scatters stay on the fastest links, replicate across the outer ones.
-  Named by the axes they shard over: `zero3(fsdp,tensor)`, `dp+megatron+zero3(fsdp)`."""
+  only the innermost k of the axes the full form shards (data parallel: 1 < k < all axes, as
+  k = 1 is hsdp and hzero2; with Megatron: 1 <= k < all data axes): shard inside the inner
+  groups, where the gathers and reduce-scatters stay on the fastest links, and replicate
+  across the outer ones. Named by the axes they shard over: `zero3(fsdp,tensor)`,
+  `dp+megatron+zero3(fsdp)`."""
   axes = (*data, model)
   out = {}
   for stage in (1, 2, 3):

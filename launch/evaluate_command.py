@@ -156,7 +156,7 @@ def run(args) -> int:
       units.append(ev.Unit(task, missing, args.max_steps, args.seed))
   quiet = args.json == "-"
   _run_units(units, store, args.jobs, quiet, args.launcher, args.address)
-  rows = ev.with_ratios(store.latest(wanted), store.best_known())
+  rows = ev.with_ratios(store.latest(wanted), store.best_known(), store.feasible())
   summary = ev.summarize(rows)
   splits = sorted({ev.split_of(r["model"]) for r in rows}, key=list(SPLIT_TITLES).index)
   by_split = {s: ev.summarize(rows, s) for s in splits} if len(splits) > 1 else {}
@@ -231,13 +231,15 @@ def _ratio(r) -> str:
 SPLIT_TITLES = {"train": "corpus families trained on", "heldout": "held-out corpus families",
                 "real": "HuggingFace models of the real-models tier",
                 "external": "external programs, never trained on", "user": "your own programs"}
-SUMMARY_COLUMNS = ["agent", "devices", "tasks", "mean ratio", "within 10%", "decision s"]
+SUMMARY_COLUMNS = ["agent", "devices", "tasks", "mean ratio", "worst", "within 10%",
+                   "nothing fits", "decision s"]
 
 
 def _summary_row(s) -> list[str]:
   fmt = lambda x, f: "-" if x is None else f.format(x)
   return [s["agent"], str(s["devices"]), str(s["tasks"]), fmt(s["mean_ratio"], "{:.3f}"),
-          fmt(s["within_10pct"], "{:.0%}"), fmt(s["mean_decide_s"], "{:.2f}")]
+          fmt(s["worst_ratio"], "{:.2f}"), fmt(s["within_10pct"], "{:.0%}"),
+          str(s["nothing_fits"]), fmt(s["mean_decide_s"], "{:.2f}")]
 
 
 def _print(rows, sections, agents) -> None:

@@ -312,15 +312,23 @@ class ResultsStore:
   def best_known(self) -> dict[str, float]:
     """Per task: the step time of the best result stored (`corpus.experts.preference`: the
     fastest that fits, else the one closest to fitting)."""
+    return {task: step for task, (step, _) in self._best().items()}
+
+  def feasible(self) -> set[str]:
+    """The tasks where a stored result fits the budget."""
+    return {task for task, (_, fits) in self._best().items() if fits}
+
+  def _best(self) -> dict[str, tuple[float, bool]]:
     from corpus.experts import preference
     best: dict[str, tuple] = {}
     for r in self.rows:
       if "error" in r or not costed_now(r["version"]):   # costed by another model
         continue
-      cand = (preference(r["step_time_s"], r["peak_memory_bytes"], r["fits"]), r["step_time_s"])
+      cand = (preference(r["step_time_s"], r["peak_memory_bytes"], r["fits"]), r["step_time_s"],
+              bool(r["fits"]))
       if r["task"] not in best or cand < best[r["task"]]:
         best[r["task"]] = cand
-    return {k: v[1] for k, v in best.items()}
+    return {k: v[1:] for k, v in best.items()}
 
   def latest(self, keys: Iterable[tuple]) -> list[dict]:
     """The stored row of each key (the last one written)."""
@@ -328,13 +336,17 @@ class ResultsStore:
     return [by_key[k] for k in keys if k in by_key]
 
 
-def with_ratios(rows: list[dict], best: dict[str, float]) -> list[dict]:
+def with_ratios(rows: list[dict], best: dict[str, float],
+                feasible: set[str] | None = None) -> list[dict]:
+  """Each row with its ratio to the best known, whether that is within 10% and fits, and
+  whether any plan of the task fits (`feasible`: the tasks where one does; default all)."""
   out = []
   for r in rows:
     b = best.get(r["task"])
     ratio = r["step_time_s"] / b if "error" not in r and b else None
     out.append({**r, "best_known_s": b, "ratio": ratio,
-                "within": ratio is not None and ratio <= WITHIN and r["fits"]})
+                "within": ratio is not None and ratio <= WITHIN and r["fits"],
+                "feasible": feasible is None or r["task"] in feasible})
   return out
 
 
@@ -347,8 +359,10 @@ def split_of(model: str) -> str:
 
 
 def summarize(rows: list[dict], split: str | None = None) -> list[dict]:
-  """Per (agent, number of devices): tasks, mean ratio to best known, share within 10% (and
-  fitting), mean decision time; over the tasks of one corpus split if given."""
+  """Per (agent, number of devices): tasks, and over those where some plan fits the budget
+  the mean and worst ratio to the best known and the share within 10% (and fitting); the
+  tasks where nothing fits, whose ratios compare plans that do not (the best known is the one
+  closest to fitting), counted apart; mean decision time. Over one corpus split if given."""
   groups: dict = {}
   for r in rows:
     if split is not None and split_of(r["model"]) != split:
@@ -356,9 +370,12 @@ def summarize(rows: list[dict], split: str | None = None) -> list[dict]:
     groups.setdefault((r["agent"], r["devices"]), []).append(r)
   out = []
   for (agent, devices), rs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-    ok = [r for r in rs if r.get("ratio") is not None]
-    out.append({"agent": agent, "devices": devices, "tasks": len(rs), "errors": len(rs) - len(ok),
+    ran = [r for r in rs if r.get("ratio") is not None]
+    ok = [r for r in ran if r.get("feasible", True)]
+    out.append({"agent": agent, "devices": devices, "tasks": len(rs), "errors": len(rs) - len(ran),
+                "nothing_fits": len(ran) - len(ok),
                 "mean_ratio": sum(r["ratio"] for r in ok) / len(ok) if ok else None,
+                "worst_ratio": max((r["ratio"] for r in ok), default=None),
                 "within_10pct": sum(r["within"] for r in ok) / len(ok) if ok else None,
-                "mean_decide_s": sum(r["decide_s"] for r in ok) / len(ok) if ok else None})
+                "mean_decide_s": sum(r["decide_s"] for r in ran) / len(ran) if ran else None})
   return out

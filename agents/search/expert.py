@@ -29,8 +29,8 @@ def evaluate_experts(env: SearchEnvironment) -> list[ExpertPlay]:
   """Every expert strategy of the task's model family, or the generic ones for a program of
   no corpus family (`corpus.experts.evaluate_experts`) over the axes the task acts on, each
   innermost one as the model axis, played from `env`'s current state in a clone, costed on
-  the task's own program. Strategies with an action that is not legal
-  here are kept with the reason."""
+  the task's own program. Strategies with an action that is not legal here are kept with the
+  reason."""
   from corpus.registry import family_of
   from partitioner.cost import Placement
   from partitioner.tactics import parse_schedule

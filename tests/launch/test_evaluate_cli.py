@@ -154,6 +154,15 @@ def test_summary_counts_only_fitting_results_within_10pct_and_filters_by_split()
   assert (b["agent"], b["mean_ratio"], b["within_10pct"]) == ("b", 1.0, 0.5)   # over budget
   (a, b) = summarize(rows, "heldout")                                         # t5 only
   assert (a["tasks"], a["mean_ratio"], b["within_10pct"]) == (1, 1.05, 0.0)
+  # Where no plan fits, ratios compare plans that do not: that task is counted apart.
+  rows = with_ratios([row("a", "t5:mini", 1.05, True), row("a", "moe:mini", 0.5, False)],
+                     {"t5:mini": 1.0, "moe:mini": 1.0}, feasible={"t5:mini"})
+  (a,) = summarize(rows)
+  assert (a["tasks"], a["nothing_fits"], a["mean_ratio"], a["worst_ratio"]) == (2, 1, 1.05, 1.05)
+  from launch.evaluation import split_of
+  assert [split_of(m) for m in ("gpt:mini", "t5:mini", "hf_gpt2:mini", "hf_llama:1b",
+                                "tests/launch/user_model.py:workload")] == \
+      ["train", "heldout", "real", "external", "user"]
 
 
 def test_a_user_model_gets_the_generic_hand_schedules_as_its_expert(capsys, tmp_path):
