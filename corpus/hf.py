@@ -166,19 +166,35 @@ def _tokens(key, shape, vocab):
 
 # Each model: config -> (the transformers model, input_shape for init_weights, loss(params,
 # batch), batch(key)).
-def _gpt2(c: HFConfig, dtype):
-  from transformers import FlaxGPT2LMHeadModel, GPT2Config
-  cfg = GPT2Config(vocab_size=c.vocab, n_positions=c.seq, n_embd=c.d_model, n_layer=c.layers,
-                   n_head=c.heads, n_inner=c.ffn, resid_pdrop=0.0, embd_pdrop=0.0,
-                   attn_pdrop=0.0)
-  model = FlaxGPT2LMHeadModel(cfg, dtype=dtype, _do_init=False)
-
+def _causal(model, c: HFConfig):
+  """A causal LM's loss on next tokens and its batch."""
   def loss(params, batch):
     logits = model(batch["tokens"], params=params).logits
     return _cross_entropy(logits[:, :-1], batch["tokens"][:, 1:])
 
   batch = lambda key: {"tokens": _tokens(key, (c.batch, c.seq), c.vocab)}
   return model, (1, c.seq), loss, batch
+
+
+def _seq2seq(model, c: HFConfig):
+  """An encoder-decoder's loss on targets half the inputs' length, fed its decoder inputs,
+  and its batch."""
+  def batch(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    half = max(c.seq // 2, 1)
+    return {"inputs": _tokens(k1, (c.batch, c.seq), c.vocab),
+            "decoder_inputs": _tokens(k2, (c.batch, half), c.vocab),
+            "targets": _tokens(k3, (c.batch, half), c.vocab)}
+  loss = _loss(model, "inputs", "targets", decoder_input_ids="decoder_inputs")
+  return model, (1, c.seq), loss, batch
+
+
+def _gpt2(c: HFConfig, dtype):
+  from transformers import FlaxGPT2LMHeadModel, GPT2Config
+  cfg = GPT2Config(vocab_size=c.vocab, n_positions=c.seq, n_embd=c.d_model, n_layer=c.layers,
+                   n_head=c.heads, n_inner=c.ffn, resid_pdrop=0.0, embd_pdrop=0.0,
+                   attn_pdrop=0.0)
+  return _causal(FlaxGPT2LMHeadModel(cfg, dtype=dtype, _do_init=False), c)
 
 
 def _bert(c: HFConfig, dtype):
@@ -201,16 +217,7 @@ def _t5(c: HFConfig, dtype):
   cfg = T5Config(vocab_size=c.vocab, d_model=c.d_model, d_kv=c.d_model // c.heads, d_ff=c.ffn,
                  num_layers=c.layers, num_decoder_layers=c.layers, num_heads=c.heads,
                  dropout_rate=0.0)
-  model = FlaxT5ForConditionalGeneration(cfg, dtype=dtype, _do_init=False)
-  loss = _loss(model, "inputs", "targets", decoder_input_ids="decoder_inputs")
-
-  def batch(key):
-    k1, k2, k3 = jax.random.split(key, 3)
-    half = max(c.seq // 2, 1)
-    return {"inputs": _tokens(k1, (c.batch, c.seq), c.vocab),
-            "decoder_inputs": _tokens(k2, (c.batch, half), c.vocab),
-            "targets": _tokens(k3, (c.batch, half), c.vocab)}
-  return model, (1, c.seq), loss, batch
+  return _seq2seq(FlaxT5ForConditionalGeneration(cfg, dtype=dtype, _do_init=False), c)
 
 
 def _vit(c: HFConfig, dtype):
@@ -229,16 +236,6 @@ def _vit(c: HFConfig, dtype):
     return {"images": jax.random.normal(k1, (c.batch, 3, c.image, c.image), dtype),
             "labels": jax.random.randint(k2, (c.batch,), 0, c.classes, jnp.int32)}
   return model, (1, c.image, c.image, 3), _loss(model, "images", "labels"), batch
-
-
-def _causal(model, c: HFConfig):
-  """A causal LM's loss on next tokens and its batch."""
-  def loss(params, batch):
-    logits = model(batch["tokens"], params=params).logits
-    return _cross_entropy(logits[:, :-1], batch["tokens"][:, 1:])
-
-  batch = lambda key: {"tokens": _tokens(key, (c.batch, c.seq), c.vocab)}
-  return model, (1, c.seq), loss, batch
 
 
 def _llama(c: HFConfig, dtype):
@@ -300,16 +297,7 @@ def _bart(c: HFConfig, dtype):
                    decoder_ffn_dim=c.ffn, encoder_attention_heads=c.heads,
                    decoder_attention_heads=c.heads, dropout=0.0, attention_dropout=0.0,
                    activation_dropout=0.0)
-  model = FlaxBartForConditionalGeneration(cfg, dtype=dtype, _do_init=False)
-  loss = _loss(model, "inputs", "targets", decoder_input_ids="decoder_inputs")
-
-  def batch(key):
-    k1, k2, k3 = jax.random.split(key, 3)
-    half = max(c.seq // 2, 1)
-    return {"inputs": _tokens(k1, (c.batch, c.seq), c.vocab),
-            "decoder_inputs": _tokens(k2, (c.batch, half), c.vocab),
-            "targets": _tokens(k3, (c.batch, half), c.vocab)}
-  return model, (1, c.seq), loss, batch
+  return _seq2seq(FlaxBartForConditionalGeneration(cfg, dtype=dtype, _do_init=False), c)
 
 
 def _roberta(c: HFConfig, dtype):

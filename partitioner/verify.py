@@ -81,18 +81,24 @@ def compute_dtype(program):
   return min(floats, key=lambda d: d.itemsize, default=np.dtype(np.float32))
 
 
-def _close(expected, actual, rtol, atol, floor=np.float32) -> bool:
-  for a, b in zip(expected, actual):
+def _judge(expected, actual, rtol, atol, floor, floats_ok) -> bool:
+  """Integers and booleans equal; each float output `floats_ok(i, a, b, rtol, atol)` with the
+  tolerance of the narrower of its dtype and `floor`."""
+  for i, (a, b) in enumerate(zip(expected, actual)):
     a, b = np.asarray(a), np.asarray(b)
     if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
       if not np.array_equal(a, b):
         return False
       continue
     r, t = tolerance(min(a.dtype, np.dtype(floor), key=lambda d: d.itemsize), rtol, atol)
-    if not np.allclose(a.astype(np.float64), b.astype(np.float64), rtol=r, atol=t,
-                       equal_nan=True):
+    if not floats_ok(i, a.astype(np.float64), b.astype(np.float64), r, t):
       return False
   return True
+
+
+def _close(expected, actual, rtol, atol, floor=np.float32) -> bool:
+  return _judge(expected, actual, rtol, atol, floor,
+                lambda i, a, b, r, t: np.allclose(a, b, rtol=r, atol=t, equal_nan=True))
 
 
 def _narrow_float(value) -> bool:
@@ -131,19 +137,11 @@ def exact_outputs(program, inputs) -> list | None:
 def _close_to_exact(expected, actual, exact, rtol, atol, floor=np.float32) -> bool:
   """Per output: the lowering's distance from the exact answer beyond the tolerance is at most
   `NOISE` times the float32 reference's own distance from it."""
-  for a, b, x in zip(expected, actual, exact):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer):
-      if not np.array_equal(a, b):
-        return False
-      continue
-    r, t = tolerance(min(a.dtype, np.dtype(floor), key=lambda d: d.itemsize), rtol, atol)
-    x = np.asarray(x, np.float64)
-    past = np.abs(b.astype(np.float64) - x) - (t + r * np.abs(x))
-    own = np.abs(a.astype(np.float64) - x)
-    if past.size and not np.max(past) <= NOISE * np.max(own):   # also catches NaN
-      return False
-  return True
+  def ok(i, a, b, r, t):
+    x = np.asarray(exact[i], np.float64)
+    past = np.abs(b - x) - (t + r * np.abs(x))
+    return not past.size or np.max(past) <= NOISE * np.max(np.abs(a - x))   # NaN: False
+  return _judge(expected, actual, rtol, atol, floor, ok)
 
 
 def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,

@@ -17,21 +17,9 @@ pytestmark = pytest.mark.slow   # HuggingFace models traced and compiled
 EXTERNAL = corpus.split("external")
 
 
-@pytest.fixture(scope="module")
-def programs():
-  cache = {}
-
-  def get(spec):
-    if spec not in cache:
-      workload = corpus.load(spec)
-      cache[spec] = (workload, P.trace(workload.fn, *workload.args))
-    return cache[spec]
-  return get
-
-
 @pytest.mark.parametrize("family", EXTERNAL)
-def test_every_generic_hand_schedule_applies_with_a_rule_for_every_op(family, programs):
-  _, program = programs(f"{family}:small")
+def test_every_generic_hand_schedule_applies_with_a_rule_for_every_op(family, traced):
+  _, program = traced(f"{family}:small")
   schedules = corpus.experts(family, ("batch", "model"))
   assert set(schedules) == set(GENERIC)
   for name in ("dp", "zero3", "dp+megatron"):
@@ -42,8 +30,8 @@ def test_every_generic_hand_schedule_applies_with_a_rule_for_every_op(family, pr
 @pytest.mark.parametrize("family,strategy", [("hf_llama", "dp+megatron"),
                                              ("hf_bloom", "dp+megatron"),
                                              ("hf_gemma", "zero3"), ("hf_opt", "hzero2")])
-def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, programs):
-  workload, program = programs(f"{family}:small")
+def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, traced):
+  workload, program = traced(f"{family}:small")
   pp = P.apply(program, "batch=2,model=4", corpus.experts(family)[strategy])
   result = verify(pp, workload.args)
   assert result.ok, f"{family} {strategy}: max error {result.max_abs_err} in {result.worst}"

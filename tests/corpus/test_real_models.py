@@ -20,31 +20,19 @@ MESH = "batch=2,model=4"
 REAL = ("hf_gpt2", "hf_bert", "hf_t5", "hf_vit")
 
 
-@pytest.fixture(scope="module")
-def programs():
-  cache = {}
-
-  def get(spec):
-    if spec not in cache:
-      workload = corpus.load(spec)
-      cache[spec] = (workload, P.trace(workload.fn, *workload.args))
-    return cache[spec]
-  return get
-
-
 @pytest.mark.parametrize("strategy", ["dp", "zero3", "megatron", "dp+megatron"])
 @pytest.mark.parametrize("family", REAL)
 def test_real_models_verify_under_data_tensor_and_fully_sharded_parallelism(family, strategy,
-                                                                            programs):
-  workload, program = programs(f"{family}:small")
+                                                                            traced):
+  workload, program = traced(f"{family}:small")
   pp = P.apply(program, MESH, corpus.experts(family)[strategy])
   assert pp.fallbacks == {}
   result = verify(pp, workload.args)
   assert result.ok, f"{family} {strategy}: max error {result.max_abs_err} in {result.worst}"
 
 
-def test_gpt2_fused_attention_is_split_by_heads(programs):
-  _, program = programs("hf_gpt2:small")
+def test_gpt2_fused_attention_is_split_by_heads(traced):
+  _, program = traced("hf_gpt2:small")
   pp = P.apply(program, MESH, "BatchParallel(batch); Megatron(model)")
   # Every attention-score matmul (batch dims: batch and heads) holds a quarter of the heads.
   scores = [op for op in program.ops if op.name == "dot_general"
@@ -80,9 +68,9 @@ def test_published_sizes_trace_and_simulate_from_abstract_arguments(spec, low, h
       reports["dp"].memory.breakdown["parameters"]
 
 
-def test_bf16_verifies_and_costs_half_the_bytes_and_less_time(programs):
-  workload, program = programs("hf_gpt2:small,dtype=bfloat16")
-  _, f32 = programs("hf_gpt2:small")
+def test_bf16_verifies_and_costs_half_the_bytes_and_less_time(traced):
+  workload, program = traced("hf_gpt2:small,dtype=bfloat16")
+  _, f32 = traced("hf_gpt2:small")
   assert {program.values[v].dtype for v in program.inputs[:4]} == {np.dtype(jax.numpy.bfloat16)}
   schedule = "BatchParallel(batch); Megatron(model)"
   pp = P.apply(program, MESH, schedule)
@@ -99,9 +87,9 @@ def test_bf16_verifies_and_costs_half_the_bytes_and_less_time(programs):
           simulate(P.apply(f32, MESH, schedule), roofline).compute_s)
 
 
-def test_train_state_spelling_costs_the_same_as_named_arguments(programs):
-  workload, program = programs("hf_vit:small,style=train_state")
-  _, named = programs("hf_vit:small")
+def test_train_state_spelling_costs_the_same_as_named_arguments(traced):
+  workload, program = traced("hf_vit:small,style=train_state")
+  _, named = traced("hf_vit:small")
   assert program.input_names[0].startswith("state/params/")
   assert not any(n == "state/step" for n in program.input_names)  # a Python int: a constant
   schedule = "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=1)"
@@ -112,9 +100,9 @@ def test_train_state_spelling_costs_the_same_as_named_arguments(programs):
   assert a.memory.breakdown["optimizer_state"] == b.memory.breakdown["optimizer_state"]
 
 
-def test_bf16_compute_with_f32_master_weights(programs):
-  workload, program = programs("hf_gpt2:small,dtype=bfloat16,param_dtype=float32")
-  _, f32 = programs("hf_gpt2:small")
+def test_bf16_compute_with_f32_master_weights(traced):
+  workload, program = traced("hf_gpt2:small,dtype=bfloat16,param_dtype=float32")
+  _, f32 = traced("hf_gpt2:small")
   assert {program.values[v].dtype for v in program.inputs[:4]} == {np.dtype(np.float32)}
   schedule = "BatchParallel(batch); Megatron(model)"
   pp = P.apply(program, MESH, schedule)
@@ -124,12 +112,12 @@ def test_bf16_compute_with_f32_master_weights(programs):
   assert mixed.compute_s < full.compute_s
 
 
-def test_gpt2_dp_megatron_collectives_match_xla(programs):
+def test_gpt2_dp_megatron_collectives_match_xla(traced):
   """XLA, given the plan's shardings (and the jit lowering's islands and slice constraints),
   compiles the same collectives per kind as the plan, bytes within 10%. (docs/real_models.md shows
   GPT-2 124M on batch=4,model=4: equal counts and bytes.)"""
   from partitioner.hlo import compare, hlo_collectives
-  workload, program = programs("hf_gpt2:small")
+  workload, program = traced("hf_gpt2:small")
   pp = P.apply(program, MESH, corpus.experts("hf_gpt2")["dp+megatron"])
   compiled = pp.jit(pp.mesh.to_jax()).lower(*workload.args).compile()
   rows = compare(pp.collectives, hlo_collectives(compiled.as_text(), pp.mesh))

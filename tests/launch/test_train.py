@@ -326,22 +326,18 @@ def test_evaluator_logs_heldout_and_train_ratios_to_the_best_expert(tmp_path):
   row, = _rows(tmp_path / "logs" / "evaluator.csv")
   assert int(float(row["version"])) == 4
   assert float(row["heldout_cost_ratio"]) == float(row["ratio_mlp"])
+  from agents.decoding import play_best_prefix
   from agents.ppo.networks import make_policy
   policy = make_policy(networks, evaluation=True)
 
   def greedy(task):
-    """(step time / best expert's, fits) of an independent greedy episode, at the best state
-    of its line (the first of equals)."""
+    """(step time / best expert's, fits) of a greedy episode of the average's parameters as
+    `propose` decodes it (`play_best_prefix`), in a fresh environment."""
     env = PartitioningEnv(task, config=config.env_config())
-    ts = env.reset()
-    states = [(env.score(), env.cost.step_time_s, env.fits)]
-    while not ts.last():
-      ts = env.step(int(policy(params, jax.random.PRNGKey(0), ts.observation)[0]))
-      states.append((env.score(), env.cost.step_time_s, env.fits))
-    top = max(s for s, _, _ in states)
-    _, step_time, fits = next(x for x in states if x[0] >= top - 1e-12)
+    env.reset()
+    play_best_prefix(env, lambda obs: int(policy(params, jax.random.PRNGKey(0), obs)[0]))
     expert = best_expert(evaluate_experts(env.restart_clone()))
-    return step_time / expert.cost.step_time_s, fits
+    return env.cost.step_time_s / expert.cost.step_time_s, env.fits
 
   train, = config.train_eval_tasks()
   assert train.model == "gnn:mini" and train.mesh == config.eval_mesh
