@@ -141,6 +141,5 @@ def test_the_three_axis_forms_run_correctly(programs):
   workload, program = programs("gpt")
   mesh = "data=2,fsdp=2,tensor=2"
   schedules = corpus.experts("gpt", P.Mesh.parse(mesh).names)
-  for name in ("dp+megatron+zero3(fsdp)", "zero2(fsdp,tensor)"):
-    result = verify(P.apply(program, mesh, schedules[name]), workload.args)
-    assert result.ok, f"{name}: max error {result.max_abs_err} in {result.worst}"
+  result = verify(P.apply(program, mesh, schedules["dp+megatron+zero3(fsdp)"]), workload.args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"

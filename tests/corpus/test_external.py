@@ -28,8 +28,7 @@ def test_every_generic_hand_schedule_applies_with_a_rule_for_every_op(family, tr
 
 
 @pytest.mark.parametrize("family,strategy", [("hf_llama", "dp+megatron"),
-                                             ("hf_bloom", "dp+megatron"),
-                                             ("hf_gemma", "zero3"), ("hf_opt", "hzero2")])
+                                             ("hf_bloom", "dp+megatron")])
 def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, traced):
   workload, program = traced(f"{family}:small")
   pp = P.apply(program, "batch=2,model=4", corpus.experts(family)[strategy])
@@ -38,10 +37,8 @@ def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, traced):
 
 
 @pytest.mark.parametrize("spec,low,high", [
-    ("hf_llama:7b", 6.7e9, 6.8e9), ("hf_mistral:7b", 7.2e9, 7.3e9), ("hf_opt:1.3b", 1.3e9, 1.33e9),
-    ("hf_gptneo:125m", 124e6, 126e6), ("hf_bart:large", 400e6, 410e6),
-    ("hf_roberta:large", 354e6, 357e6), ("hf_bloom:560m", 558e6, 561e6),
-    ("hf_gemma:2b", 2.5e9, 2.52e9),
+    ("hf_llama:7b", 6.7e9, 6.8e9), ("hf_mistral:7b", 7.2e9, 7.3e9),
+    ("hf_bloom:560m", 558e6, 561e6), ("hf_gemma:2b", 2.5e9, 2.52e9),
 ])
 def test_published_shapes_have_published_parameter_counts(spec, low, high):
   family, config = corpus.parse(spec)

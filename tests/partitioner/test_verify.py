@@ -28,6 +28,13 @@ def test_amplified_rounding_is_judged_by_the_exact_answer(gptneo):
   # and the float64 one says the lowerings are as close to exact as the reference is.
   assert result.exact and result.max_abs_err > result.atol
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+  # The exact answer is float64, and agrees with float32 on the loss.
+  concrete = jax.tree_util.tree_unflatten(program.in_tree, example_inputs(workload.args))
+  inputs = program.flatten_args(concrete)
+  exact, reference = exact_outputs(program, inputs), program.evaluate(*inputs)
+  loss = -1   # train_step(params, opt_state, batch) -> (params, opt_state, loss)
+  assert exact[loss].dtype == np.float64 and reference[loss].dtype == np.float32
+  np.testing.assert_allclose(exact[loss], np.asarray(reference[loss]), rtol=1e-5)
 
 
 def test_a_wrong_collective_still_fails(gptneo, monkeypatch):
@@ -36,13 +43,3 @@ def test_a_wrong_collective_still_fails(gptneo, monkeypatch):
   monkeypatch.setitem(lowering._REDUCERS, "sum", lax.pmax)   # gradients maxed, not summed
   result = verify(pp, workload.args)
   assert not result.ok and result.exact
-
-
-def test_the_exact_answer_is_float64_and_agrees_with_float32_on_the_loss(gptneo):
-  workload, program = gptneo
-  concrete = jax.tree_util.tree_unflatten(program.in_tree, example_inputs(workload.args))
-  inputs = program.flatten_args(concrete)
-  exact, reference = exact_outputs(program, inputs), program.evaluate(*inputs)
-  loss = -1   # train_step(params, opt_state, batch) -> (params, opt_state, loss)
-  assert exact[loss].dtype == np.float64 and reference[loss].dtype == np.float32
-  np.testing.assert_allclose(exact[loss], np.asarray(reference[loss]), rtol=1e-5)
