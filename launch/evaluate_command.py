@@ -55,9 +55,8 @@ def add_parser(sub) -> None:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--suite", help="a bundled suite (quick, scales, external) or a YAML suite file")
   p.add_argument("--models", help="corpus names, families, splits (train, heldout, real, "
-                 "external) or "
-                 "module:function, separated by ',' or ';' (knobs like batch=8 stay with the "
-                 "model before them)")
+                 "external) or module:function, separated by ',' or ';' (knobs like batch=8 "
+                 "stay with the model before them)")
   p.add_argument("--meshes", help="';'-separated meshes, e.g. 'batch=4,model=2;batch=32,model=8'")
   p.add_argument("--hardware", default="h100", help="comma-separated hardware; default h100")
   p.add_argument("--memory-budget", default="device",
@@ -128,7 +127,6 @@ def _tasks(args):
 
 
 def run(args) -> int:
-  import corpus
   from launch import evaluation as ev
   from partitioner.errors import ShardzeroError
   if args.jobs < 1 or args.max_steps < 1:

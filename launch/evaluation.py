@@ -354,8 +354,8 @@ def split_of(model: str) -> str:
   """The corpus split of a model's family ("train", "heldout", "real", "external"), or
   "user"."""
   import corpus
-  family = corpus.FAMILIES.get(model.partition(":")[0])
-  return family.split if family is not None else "user"
+  family = corpus.family_of(model)
+  return corpus.FAMILIES[family].split if family is not None else "user"
 
 
 def summarize(rows: list[dict], split: str | None = None) -> list[dict]:

@@ -114,7 +114,7 @@ def run(args) -> int:
   if args.max_steps < 1:
     raise ShardzeroError("--max-steps must be positive")
   budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-  if args.model.partition(":")[0] in corpus.FAMILIES:
+  if corpus.family_of(args.model):
     corpus.parse(args.model)   # a bad knob fails before tracing
   task = Task(args.model, args.mesh, args.hardware, budget)
   out = report.console()
