@@ -7,7 +7,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test test-fast bench policy policy-seeds scales external fuzz clean
+.PHONY: install install-current demo test test-current test-fast bench policy policy-seeds scales external fuzz clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,25 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The core on current JAX: a second environment with the newest JAX for this Python installed
+# first, then shardzero without the `train` extra (the rest held by constraints-current.txt, so
+# the run is repeatable). `pip install -e .` must leave that JAX where it is: the install fails
+# if it moved it.
+CURRENT_JAX := 0.10.2
+CURRENT_VENV := .venv-current
+CURRENT_PY := $(CURRENT_VENV)/bin/python
+CURRENT_STAMP := $(CURRENT_VENV)/.installed-stamp
+
+$(CURRENT_STAMP): pyproject.toml constraints-current.txt
+	$(PYTHON) -m venv $(CURRENT_VENV)
+	$(CURRENT_PY) -m pip install -q --upgrade "pip==24.2"
+	$(CURRENT_PY) -m pip install -q "jax==$(CURRENT_JAX)" "jaxlib==$(CURRENT_JAX)"
+	$(CURRENT_PY) -m pip install -q -c constraints-current.txt -e ".[dev,hf]"
+	$(CURRENT_PY) -c "import jax; assert jax.__version__ == '$(CURRENT_JAX)', 'pip moved JAX to ' + jax.__version__"
+	touch $(CURRENT_STAMP)
+
+install-current: $(CURRENT_STAMP)
 
 # The main job: a short training run (AlphaZero-style, 2 actor processes, a learner and an
 # evaluator over Reverb) on the train split; then the policy proposes a strategy for a held-out
@@ -32,8 +51,14 @@ demo: install
 	$(VENV)/bin/shardzero evaluate --models heldout --meshes "batch=4,model=2" \
 	  --agents expert,policy:runs/demo,policy+mcts:runs/demo:16 --store runs/demo/evaluate.jsonl
 
-test: install
+# Both stacks: every test on the pinned one, then the core's tests not marked slow on current
+# JAX (training needs the pinned stack: tests/conftest.py leaves its tests out there).
+test: install install-current
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-current
+
+test-current: install-current
+	SHARDZERO_CORE_ONLY=1 $(CURRENT_PY) -m pytest -q -m "not slow" tests
 
 # The fast lane while changing the partitioner or the cost model: everything not marked slow.
 test-fast: install
@@ -106,4 +131,4 @@ empty :=
 space := $(empty) $(empty)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CURRENT_VENV) build *.egg-info

@@ -29,7 +29,8 @@ from dm_env import specs
 from environments.actions import Action, DecisionPoint, action_space, decision_points, tile_problem
 from environments.observations import Sizes, StaticGraph, dynamic_features, observation_spec
 from environments.states import StateCache, StateInfo, ZobristHash
-from environments.tasks import TASKS, Task, TaskDistribution, folded_program, load_program
+from environments.tasks import (TASKS, Task, TaskCache, TaskDistribution, folded_program,
+                               load_program)
 from partitioner.errors import ShardzeroError
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram
@@ -193,9 +194,16 @@ class TaskContext:
     return info.problems[index]
 
 
-def task_context(task: Task, pad_to: Sizes | None = None, fold: bool = True) -> TaskContext:
-  """The shared context of a task, with its cached states (`environments.tasks.TASKS`)."""
-  return TASKS.context(task, pad_to, fold)
+def task_context(task: Task, pad_to: Sizes | None = None, fold: bool = True, *,
+                 cache: TaskCache = TASKS) -> TaskContext:
+  """The shared context of a task, with its cached states (by default in the process's
+  `environments.tasks.TASKS`). The budgets of one task share one context: the budget enters
+  only the reward and the observation."""
+  if task.memory_budget is not None:
+    unbudgeted = dataclasses.replace(task, memory_budget=None)
+    return task_context(unbudgeted, pad_to, fold, cache=cache).with_budget(task)
+  return cache.contexts.get_or_make((task, pad_to, fold),
+                                    lambda: TaskContext(task, pad_to, fold=fold))
 
 
 @dataclasses.dataclass(frozen=True)

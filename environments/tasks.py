@@ -158,16 +158,6 @@ class TaskCache:
   def smallest_expert_peak(self, task: Task) -> int | None:
     return self.peaks.get_or_make(("expert", task), lambda: _smallest_expert_peak(task))
 
-  def context(self, task: Task, pad_to=None, fold: bool = True):
-    """The shared `TaskContext` of a task. The budgets of one task share one context (the
-    budget enters only the reward and the observation)."""
-    from environments.partitioning_env import TaskContext
-    if task.memory_budget is not None:
-      return self.context(dataclasses.replace(task, memory_budget=None), pad_to,
-                          fold).with_budget(task)
-    return self.contexts.get_or_make((task, pad_to, fold),
-                                     lambda: TaskContext(task, pad_to, fold=fold))
-
   def clear(self) -> None:
     for cache in (self.programs, self.foldings, self.peaks, self.contexts):
       cache.clear()

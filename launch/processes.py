@@ -137,3 +137,24 @@ def stop_in_order(roles: Sequence[Role], terminate: Callable[[Sequence[Role]], N
   terminate([r for r in roles if r.name == "learner"])
   terminate([r for r in roles if r.name == "replay"])
   terminate([r for r in roles if r.name not in ("learner", "replay")])
+
+
+def exposure_warning(port: int) -> str:
+  return (f"replay: Reverb listens on port {port} of every network interface of "
+          f"{socket.gethostname()} (dm-reverb 0.14 cannot bind the loopback address only); "
+          "keep that port closed to other machines (see 'shardzero train --help', Network)")
+
+
+def finish(run_dir: str, failed, interrupted: bool) -> int:
+  """The launcher's last words and exit code: 0 done, 1 a role failed, 130 stopped."""
+  if failed is not None:
+    print(f"shardzero train: the {failed.name} process {failed.cause()}; stopped the others. "
+          f"Last lines of {failed.log_path}:\n{failed.tail()}\n"
+          f"continue with: shardzero train --run-dir {run_dir} --resume", file=sys.stderr)
+    return 1
+  if interrupted:
+    print(f"stopped; continue with: shardzero train --run-dir {run_dir} --resume",
+          file=sys.stderr)
+    return 130
+  print(f"done: {run_dir} (checkpoint, logs/*.csv, tb/); plot with: shardzero plot {run_dir}")
+  return 0

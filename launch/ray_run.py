@@ -278,8 +278,7 @@ def launch(config, args) -> int:
   than `--max-restarts` times. A lost Reverb server takes its contents with it: the run
   starts again on a new one, the learner from its checkpoint, and the actors refill it."""
   from launch import progress
-  from launch.processes import stop_in_order, supervise
-  from launch.train_command import finish
+  from launch.processes import finish, stop_in_order, supervise
   from launch.training import stop_on_sigterm
   ray = _ray()
   actor = {"num_cpus": args.actor_cpus}
@@ -327,7 +326,7 @@ def launch(config, args) -> int:
 def _place(roles: list, config, args, requests, resume: bool) -> RayRole:
   """Places and starts every role, appending each to `roles` as it starts (so that a failure
   half-way stops those); returns the learner."""
-  from launch.train_command import exposure_warning
+  from launch.processes import exposure_warning
   run_dir = os.path.abspath(args.run_dir)
   logs = os.path.join(run_dir, "logs")
   os.makedirs(logs, exist_ok=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
-import socket
-import sys
+
+from launch.processes import exposure_warning, finish
 
 HELP = "train a partitioning policy with distributed actors and a learner over Reverb"
 
@@ -185,6 +186,17 @@ def make_config(args):
   return config
 
 
+def _require_training_extra() -> None:
+  """Training's libraries, checked once the command line is known to be good."""
+  from partitioner.errors import ShardzeroError
+  missing = [m for m in ("reverb", "rlax") if importlib.util.find_spec(m) is None]
+  if missing:
+    raise ShardzeroError(
+        f"training needs the `train` extra ({', '.join(missing)} missing here): Reverb ties "
+        "TensorFlow 2.15 and JAX 0.4.34, so give it its own environment: "
+        "pip install -c constraints.txt -e \".[train]\" (make install builds one as .venv)")
+
+
 def run(args) -> int:
   from learners.run_config import RunConfig
   from launch.training import (run_actor, run_evaluator, run_learner, run_replay)
@@ -202,6 +214,7 @@ def run(args) -> int:
         raise ShardzeroError("--launcher ray starts its own Reverb server: leave out --reverb")
       ray_run.parse_resources(args.learner_resources)    # fails before anything starts
     config = make_config(args)
+    _require_training_extra()
     if args.launcher == "ray":
       return ray_run.launch(config, args)     # saves the config once Ray can place the run
     config.save(args.run_dir)
@@ -211,11 +224,13 @@ def run(args) -> int:
   if args.role == "replay":
     if args.port is None:
       raise ShardzeroError("--role replay needs --port")
+    _require_training_extra()
     print(exposure_warning(args.port), flush=True)
     run_replay(config, args.port)
     return 0
   if not args.reverb:
     raise ShardzeroError(f"--role {args.role} needs --reverb HOST:PORT")
+  _require_training_extra()
   if args.role == "learner":
     run_learner(config, args.run_dir, args.reverb, resume=args.resume)
   elif args.role == "actor":
@@ -223,12 +238,6 @@ def run(args) -> int:
   else:
     run_evaluator(config, args.run_dir, args.reverb)
   return 0
-
-
-def exposure_warning(port: int) -> str:
-  return (f"replay: Reverb listens on port {port} of every network interface of "
-          f"{socket.gethostname()} (dm-reverb 0.14 cannot bind the loopback address only); "
-          "keep that port closed to other machines (see 'shardzero train --help', Network)")
 
 
 def launch(config, args) -> int:
@@ -276,18 +285,3 @@ def launch(config, args) -> int:
   finally:
     stop_in_order(procs, terminate_all)
   return finish(run_dir, failed, interrupted)
-
-
-def finish(run_dir: str, failed, interrupted: bool) -> int:
-  """The launcher's last words and exit code: 0 done, 1 a role failed, 130 stopped."""
-  if failed is not None:
-    print(f"shardzero train: the {failed.name} process {failed.cause()}; stopped the others. "
-          f"Last lines of {failed.log_path}:\n{failed.tail()}\n"
-          f"continue with: shardzero train --run-dir {run_dir} --resume", file=sys.stderr)
-    return 1
-  if interrupted:
-    print(f"stopped; continue with: shardzero train --run-dir {run_dir} --resume",
-          file=sys.stderr)
-    return 130
-  print(f"done: {run_dir} (checkpoint, logs/*.csv, tb/); plot with: shardzero plot {run_dir}")
-  return 0

@@ -99,6 +99,45 @@ def _signature(program: Program, op) -> tuple:
           tuple(values[v].shape for v in op.outputs))
 
 
+def _repeated(b: list, j1: int, j2: int) -> int:
+  """The length of an inserted piece if a neighbouring block of its length is the same ops
+  (a layer's copy), else 0."""
+  n = j2 - j1
+  return n if b[max(j1 - n, 0):j1] == b[j1:j2] or b[j2:j2 + n] == b[j1:j2] else 0
+
+
+def _inserts(opcodes, b: list, short: int = 8) -> list[tuple[int, int]]:
+  """The inserted pieces of `b`. Where a few matched ops sit between two inserts, the diff may
+  have matched them inside what was inserted (a run of per-parameter reductions, ordered by
+  parameter, then their sum: current JAX's global norm): they are placed again where the
+  inserted pieces around them come out as copies of a neighbouring block, as a layer does."""
+  pieces = [(tag, j1, j2) for tag, _, _, j1, j2 in opcodes]
+  out, k = [], 0
+  while k < len(pieces):
+    tag, j1, j2 = pieces[k]
+    if tag == "equal":
+      k += 1
+      continue
+    if k + 2 < len(pieces) and pieces[k + 1][0] == "equal" and pieces[k + 2][0] == "insert" \
+        and pieces[k + 1][2] - pieces[k + 1][1] <= short:
+      e1, e2 = pieces[k + 1][1:]
+      end = pieces[k + 2][2]
+      kept = b[e1:e2]
+      places = [p for p in range(j1, end - len(kept) + 1) if b[p:p + len(kept)] == kept]
+      p = max(places, key=lambda p: (_repeated(b, j1, p) + _repeated(b, p + len(kept), end),
+                                     p == e1))
+      pieces[k + 2] = ("insert", p + len(kept), end)
+      if p > j1:
+        out.append((j1, p))
+      k += 2
+      if p + len(kept) == end:
+        k += 1
+      continue
+    out.append((j1, j2))
+    k += 1
+  return out
+
+
 def fold(two: Program, three: Program, depth: int) -> Folding | None:
   """`three` (the model at three layers) weighted to stand for `depth` layers, given the same
   model at two layers; None when `three` is not `two` with blocks of ops inserted."""
@@ -106,13 +145,12 @@ def fold(two: Program, three: Program, depth: int) -> Folding | None:
     raise ValueError(f"folding needs more than three layers, got {depth}")
   a = [_signature(two, op) for op in two.ops]
   b = [_signature(three, op) for op in three.ops]
+  opcodes = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+  if any(tag not in ("equal", "insert") for tag, *_ in opcodes):
+    return None
   middle = np.zeros(len(b), bool)
   touched = np.zeros(len(three.values), bool)   # read or made by the middle blocks
-  for tag, _, _, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-    if tag == "equal":
-      continue
-    if tag != "insert":
-      return None
+  for j1, j2 in _inserts(opcodes, b):
     n, block = j2 - j1, b[j1:j2]
     lo, hi = j1, j2
     while lo >= n and b[lo - n:lo] == block:

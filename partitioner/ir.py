@@ -20,8 +20,8 @@ from partitioner.errors import PatternError
 
 
 def _marker(name: str):
-  from jax import core
-  p = core.Primitive(name)
+  from partitioner.compat import Primitive
+  p = Primitive(name)
   p.multiple_results = True
   return p
 
@@ -351,12 +351,13 @@ class Program:
     constants when traced (Python numbers, strings) must be equal now: the program has them
     built in."""
     import jax
+    from partitioner.compat import Tracer
     leaves, tree = jax.tree_util.tree_flatten(tuple(args))
     if tree != self.in_tree:
       raise ValueError(f"arguments do not match the traced structure:\n{tree}\nvs\n{self.in_tree}")
     for i, traced in self.static.items():
       given = leaves[i]
-      if isinstance(given, jax.core.Tracer):
+      if isinstance(given, Tracer):
         continue  # under an outer jit: the traced constant is what runs
       try:
         same = bool(given is traced or given == traced)
@@ -410,6 +411,6 @@ def run_loop(program: Program, k: int, operands: list, iteration) -> list:
 
 def bind(op: Op, args: list, params: dict) -> list:
   """Applies an op's primitive to arguments, always returning a list of results."""
-  subfuns, bind_params = op.primitive.get_bind_params(params)
-  out = op.primitive.bind(*subfuns, *args, **bind_params)
+  from partitioner import compat
+  out = compat.bind(op.primitive, args, params)
   return list(out) if op.primitive.multiple_results else [out]

@@ -17,10 +17,10 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.shard_map import shard_map
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partitioner import collectives as C
+from partitioner.compat import shard_map
 from partitioner.ir import SCAN_ENTER, bind, run_loop, walk
 from partitioner.rules import LOCAL_RULES
 from partitioner.sharding import Sharding, local_shape
@@ -182,8 +182,7 @@ def lower_spmd(pp, jax_mesh=None) -> Callable:
   mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
   in_specs = tuple(Sharding(state.dims[v]).spec() for v in program.inputs)
   out_specs = tuple(Sharding(state.dims[v]).spec() for v in program.outputs)
-  flat = shard_map(_spmd_body(pp), mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                   check_rep=False)
+  flat = shard_map(_spmd_body(pp), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
   def run(*args):
     outs = flat(*program.flatten_args(args))
@@ -341,7 +340,7 @@ def _island(pp, op, mesh) -> Callable:
   out_specs = tuple(Sharding(pp.state.dims[v]).spec() if axes is None else
                     PartitionSpec(axes, *Sharding(pp.state.dims[v]).spec())
                     for v, axes in zip(op.outputs, held))
-  return shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+  return shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
 def concatenate_by_padding(args, dimension: int):

@@ -19,15 +19,16 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax import core
 from jax import tree_util
 
+from partitioner import compat as core
 from partitioner.errors import WorkloadError
 from partitioner.ir import SCAN_ENTER, SCAN_EXIT, Op, Program, Value
 
 # Call-like primitives whose body is inlined, with the parameter holding the body.
 _INLINE = {
     "pjit": ("jaxpr",),
+    "jit": ("jaxpr",),        # pjit as current JAX names it
     "closed_call": ("call_jaxpr",),
     "core_call": ("call_jaxpr",),
     "custom_jvp_call": ("call_jaxpr",),
@@ -171,7 +172,7 @@ class _Builder:
 
     def read(atom) -> int:
       if isinstance(atom, core.Literal):
-        return self.const(atom.val)
+        return self.const(core.literal(atom.val))
       return env[atom]
 
     for eqn in jaxpr.eqns:
@@ -184,6 +185,8 @@ class _Builder:
           if key in eqn.params:
             body = eqn.params[key]
             break
+      if name in _DECOMPOSED or (name in _BATCHED_INDEXING and _batching_dims(eqn)):
+        body = (_DECOMPOSED.get(name) or _unbatched_indexing)(eqn)
       if name == "scan":
         body_eqns = _count_eqns(eqn.params["jaxpr"].jaxpr)
         unroll = self.unroll(int(eqn.params["length"]), body_eqns)
@@ -248,6 +251,67 @@ def _unrolled_scan(eqn) -> core.ClosedJaxpr:
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
   return jax.make_jaxpr(unrolled)(*avals)
+
+
+def _stack(eqn) -> core.ClosedJaxpr:
+  axis = eqn.params["axis"]
+  return _as_jaxpr(eqn, lambda *xs: jax.lax.concatenate(
+      [jax.lax.expand_dims(x, (axis,)) for x in xs], axis))
+
+
+def _split(eqn) -> core.ClosedJaxpr:
+  axis, sizes = eqn.params["axis"], [int(n) for n in eqn.params["sizes"]]
+  starts = np.cumsum([0] + sizes)
+  return _as_jaxpr(eqn, lambda x: [jax.lax.slice_in_dim(x, int(a), int(a) + n, axis=axis)
+                                   for a, n in zip(starts, sizes)])
+
+
+def _as_jaxpr(eqn, fn) -> core.ClosedJaxpr:
+  return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                              for v in eqn.invars))
+
+
+_BATCHED_INDEXING = ("gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
+                     "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
+
+
+def _batching_dims(eqn) -> tuple:
+  return getattr(eqn.params["dimension_numbers"], "operand_batching_dims", ())
+
+
+def _unbatched_indexing(eqn) -> core.ClosedJaxpr:
+  """A gather or scatter with batching dimensions (how current JAX writes `take_along_axis`)
+  as JAX 0.4 wrote it: each batching dimension becomes an iota index component, looked up
+  point-wise. The indexing rules read such iotas as parallel dimensions."""
+  dn, params = eqn.params["dimension_numbers"], dict(eqn.params)
+  operand_dims = tuple(dn.operand_batching_dims)
+  if eqn.primitive.name == "gather":
+    index_dims = tuple(dn.start_indices_batching_dims)
+    params["dimension_numbers"] = dn._replace(
+        collapsed_slice_dims=tuple(sorted(dn.collapsed_slice_dims + operand_dims)),
+        start_index_map=operand_dims + tuple(dn.start_index_map),
+        operand_batching_dims=(), start_indices_batching_dims=())
+  else:
+    index_dims = tuple(dn.scatter_indices_batching_dims)
+    params["dimension_numbers"] = dn._replace(
+        inserted_window_dims=tuple(sorted(dn.inserted_window_dims + operand_dims)),
+        scatter_dims_to_operand_dims=operand_dims + tuple(dn.scatter_dims_to_operand_dims),
+        operand_batching_dims=(), scatter_indices_batching_dims=())
+  params["indices_are_sorted"] = False
+
+  def unbatched(operand, indices, *rest):
+    shape = indices.shape[:-1] + (1,)
+    iotas = [jax.lax.broadcasted_iota(indices.dtype, shape, d) for d in index_dims]
+    indices = jax.lax.concatenate(iotas + [indices], len(shape) - 1)
+    return core.bind(eqn.primitive, (operand, indices, *rest), params)
+
+  return _as_jaxpr(eqn, unbatched)
+
+
+# Primitives current JAX added (`jnp.stack`, `jnp.split`) are traced as the ops JAX 0.4 emits
+# for them, so the program, its rules and its cost are the same on both; so are gathers and
+# scatters with batching dimensions (`_unbatched_indexing`).
+_DECOMPOSED = {"stack": _stack, "split": _split}
 
 
 def is_array(x) -> bool:

@@ -115,7 +115,7 @@ def exact_outputs(program, inputs) -> list | None:
   """The unpartitioned program in float64: every float input, constant and dtype an op names
   widened, so its rounding is 2**-29 of float32's. None where an op does not run so (a bitcast
   between floats and integers, say)."""
-  from jax.experimental import enable_x64
+  from partitioner.compat import enable_x64, eval_jaxpr
   from partitioner.ir import bind
 
   def wide(x):
@@ -124,6 +124,13 @@ def exact_outputs(program, inputs) -> list | None:
 
   def bind_op(op, args):
     params = {k: np.dtype(np.float64) if _narrow_float(v) else v for k, v in op.params.items()}
+    update = params.get("update_jaxpr")
+    if update is not None and _narrow_float(update.invars[0].aval.dtype):
+      # A scatter's combining function is typed: trace it again on float64 scalars.
+      consts = params.get("update_consts", ())
+      scalar = np.float64(0)
+      again = jax.make_jaxpr(lambda x, y: eval_jaxpr(update, consts, x, y))(scalar, scalar)
+      params.update(update_jaxpr=again.jaxpr, update_consts=tuple(again.consts))
     return bind(op, [wide(a) for a in args], params)
 
   with enable_x64():

@@ -1,7 +1,8 @@
 """The packages import one way only: partitioner < corpus < environments < agents < learners <
 launch (a package imports only itself and packages to its left), every import counted,
 those inside functions too. Acme's interfaces at the bottom of `agents` import nothing of the
-project but each other; the partitioner imports neither TensorFlow nor Reverb."""
+project but each other; the partitioner imports neither TensorFlow nor Reverb. No two modules
+import each other, even through others. Only `partitioner/compat.py` names JAX's moved APIs."""
 
 import ast
 import pathlib
@@ -12,8 +13,9 @@ INTERFACES = ("agents/core.py", "agents/adders.py", "agents/specs.py", "agents/c
               "agents/loggers.py", "agents/environment_loop.py")
 
 
-def _imports(path: pathlib.Path, root: pathlib.Path = ROOT):
-  """(line, module) of every import in a file, relative ones made absolute."""
+def _imports(path: pathlib.Path, root: pathlib.Path = ROOT, names: bool = False):
+  """(line, module) of every import in a file, relative ones made absolute; with `names`,
+  `from a import b` also yields `a.b` (b may be a module)."""
   package = path.relative_to(root).with_suffix("").parts[:-1]
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
     if isinstance(node, ast.Import):
@@ -21,9 +23,12 @@ def _imports(path: pathlib.Path, root: pathlib.Path = ROOT):
     elif isinstance(node, ast.ImportFrom):
       if node.level:
         base = package[:len(package) - node.level + 1]
-        yield node.lineno, ".".join(base + ((node.module,) if node.module else ()))
+        module = ".".join(base + ((node.module,) if node.module else ()))
       else:
-        yield node.lineno, node.module
+        module = node.module
+      yield node.lineno, module
+      if names:
+        yield from ((node.lineno, f"{module}.{a.name}") for a in node.names)
 
 
 def _files(package: str, root: pathlib.Path = ROOT):
@@ -45,6 +50,43 @@ def _against_the_order(root: pathlib.Path) -> list[str]:
 def test_packages_import_only_to_their_left():
   against = _against_the_order(ROOT)
   assert not against, "imports against the layering:\n" + "\n".join(against)
+
+
+def _circles(root: pathlib.Path) -> list[list[str]]:
+  """Import circles between modules (packages' `__init__` left out: a module importing its
+  own package is how Python reaches it)."""
+  modules = {".".join(p.relative_to(root).with_suffix("").parts): p
+             for package in ORDER for p in _files(package, root) if p.name != "__init__.py"}
+  edges = {m: sorted({d for _, d in _imports(p, root, names=True) if d in modules} - {m})
+           for m, p in modules.items()}
+  circles, done = [], set()
+
+  def visit(m, path):
+    for d in edges[m]:
+      if d in path:
+        circles.append(path[path.index(d):] + [d])
+      elif d not in done:
+        visit(d, path + [d])
+    done.add(m)
+
+  for m in sorted(modules):
+    if m not in done:
+      visit(m, [m])
+  return circles
+
+
+def test_no_module_imports_itself_through_others():
+  circles = _circles(ROOT)
+  assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_only_the_compat_module_names_jax_apis_that_moved():
+  moved = ("jax.core", "jax.experimental.shard_map", "jax.experimental.enable_x64",
+           "jax.extend")
+  against = [f"{path.relative_to(ROOT)}:{line} imports {m}" for package in ORDER
+             for path in _files(package) if path.name != "compat.py"
+             for line, m in _imports(path, names=True) if m.startswith(moved)]
+  assert not against, "\n".join(against)
 
 
 def test_acme_interfaces_import_only_each_other():
@@ -71,3 +113,6 @@ def test_the_checker_sees_imports_against_the_order(tmp_path):
   (tmp_path / "partitioner" / "sub" / "z.py").write_text("from .. import errors\n")
   assert _against_the_order(tmp_path) == ["partitioner/x.py:2 imports launch",
                                           "agents/y.py:2 imports learners.sgd"]
+  (tmp_path / "partitioner" / "a.py").write_text("def f():\n  from partitioner import b\n")
+  (tmp_path / "partitioner" / "b.py").write_text("from partitioner.a import f\n")
+  assert _circles(tmp_path) == [["partitioner.a", "partitioner.b", "partitioner.a"]]

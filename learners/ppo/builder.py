@@ -12,7 +12,6 @@ from agents.variable_client import VariableClient
 from environments.observations import DEFAULT_SIZES, Sizes
 from learners.builders import TRAJECTORY_TABLE, Builder
 from learners.ppo.config import PPOConfig
-from learners.ppo.losses import ppo_loss
 
 
 class PPOBuilder(Builder):
@@ -42,4 +41,5 @@ class PPOBuilder(Builder):
                        VariableClient(variable_source, update_period), adder, seed)
 
   def loss(self, networks):
+    from learners.ppo.losses import ppo_loss   # rlax: the `train` extra, not needed to play
     return ppo_loss(networks, self.config)

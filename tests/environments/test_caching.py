@@ -4,6 +4,7 @@ None is kept (a task that does not fold is not traced again), and clearing empti
 import pytest
 
 from environments.caching import LRU
+from environments.partitioning_env import task_context
 from environments.tasks import TaskCache, Task
 
 
@@ -26,11 +27,11 @@ def test_a_task_cache_shares_programs_and_contexts_within_its_bounds():
   cache = TaskCache(programs=1, contexts=1)
   task = Task("mlp:mini", "batch=4,model=2")
   assert cache.program("mlp:mini") is cache.program("mlp:mini")
-  context = cache.context(task)
-  assert cache.context(task) is context
-  tight = cache.context(Task("mlp:mini", "batch=4,model=2", memory_budget=2**30))
+  context = task_context(task, cache=cache)
+  assert task_context(task, cache=cache) is context
+  tight = task_context(Task("mlp:mini", "batch=4,model=2", memory_budget=2**30), cache=cache)
   assert tight.states is context.states and tight.budget == 2**30     # budgets share states
-  cache.context(Task("mlp:mini", "batch=2,model=4"))                  # evicts the first
-  assert cache.context(task) is not context
+  task_context(Task("mlp:mini", "batch=2,model=4"), cache=cache)      # evicts the first
+  assert task_context(task, cache=cache) is not context
   cache.clear()
   assert len(cache.programs) == len(cache.contexts) == 0

@@ -9,7 +9,7 @@ import time
 import pytest
 import reverb
 
-from launch import cli, train_command
+from launch import cli, processes
 
 
 def _listeners(port: int) -> list[str]:
@@ -40,7 +40,7 @@ def test_pinned_reverb_listens_on_every_interface_and_training_says_so(capsys):
     assert addresses and all(set(a) == {"0"} for a in addresses), addresses   # [::] / 0.0.0.0
   finally:
     server.stop()
-  assert str(port) in train_command.exposure_warning(port)
+  assert str(port) in processes.exposure_warning(port)
   with pytest.raises(SystemExit):
     cli.main(["train", "--help"])
   text = capsys.readouterr().out

@@ -95,3 +95,21 @@ def test_renaming_or_reordering_leaves_the_proposal_unchanged(capsys):
   assert answer and plan
   assert _answer(capsys, renamed, "data=4,tensor=2") == (rename(answer), rename(plan))
   assert _answer(capsys, decoder, "model=2,batch=4") == (answer, plan)
+
+
+# What the shipped policy (trained on the pinned stack, JAX 0.4.34) plays on gpt:mini over
+# batch=2,model=4, as measured on that stack. This test runs on both stacks in CI (`make test`
+# and `make test-current`), so the same checkpoint must make the same plan on current JAX. The
+# step times differ by up to 2.5% between the stacks: JAX 0.10 and optax 0.2.8 trace the same
+# step with other ops (`square` for `integer_pow`, more broadcasts), which fuse otherwise.
+# `make policy` changes the plan: measure it again on the pinned stack and write it here.
+PINNED_PLAN = ("BatchParallel(model); BatchParallel(batch); ZeRO(batch, stage=2)",
+               1969078280, 8.93e-3)
+
+
+def test_the_policy_trained_on_the_pinned_stack_plays_the_same_plan_on_this_one(capsys):
+  code, out, _ = run(capsys, "propose", "gpt:mini", "--mesh", "batch=2,model=4", "--json", "-")
+  plan = json.loads(out[out.index("{"):])["policy_plan"]
+  schedule, peak, step = PINNED_PLAN
+  assert code == 0 and plan["schedule"] == schedule and plan["peak_memory_bytes"] == peak
+  assert abs(plan["step_time_s"] / step - 1) < 0.05, (jax.__version__, plan["step_time_s"])

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.shard_map import shard_map
+from partitioner.compat import shard_map
 
 from partitioner import collectives as C
 from partitioner.lowering import run_steps
@@ -66,6 +66,5 @@ def test_executed_steps_produce_the_target_layout(src, partial, reduce, dst):
       local = jnp.where(first, local, fill)
     return run_steps(local, plan, SIZES)
 
-  f = shard_map(body, mesh=mesh, in_specs=Sharding(src).spec(), out_specs=Sharding(dst).spec(),
-                check_rep=False)
+  f = shard_map(body, mesh=mesh, in_specs=Sharding(src).spec(), out_specs=Sharding(dst).spec())
   np.testing.assert_array_equal(jax.jit(f)(x), x)

@@ -137,8 +137,8 @@ def test_rule_partitions_correctly(name, fn, args, mesh, schedule, expected):
 
 def test_clip_mode_lookup_from_sharded_table_clamps_like_the_original():
   """Out-of-range indices of a clip-mode gather read the edge rows. The shard_map lowering
-  clamps before masking and is exact. XLA's own SPMD partitioner (jaxlib 0.4.34) returns zeros
-  for them even from a plain jit with a sharded input; the jit lowering runs gathers as the
+  clamps before masking and is exact. XLA's own SPMD partitioner (jaxlib 0.4.34; fixed by 0.10.2)
+  returns zeros for them even from a plain jit with a sharded input; the jit lowering runs gathers as the
   plan does (a one-op shard_map island), so it is exact too."""
   from tests.partitioner.helpers import run_both
   table = jnp.arange(64.0).reshape(16, 4)
@@ -150,7 +150,9 @@ def test_clip_mode_lookup_from_sharded_table_clamps_like_the_original():
   assert kinds(pp) == [(AR, ("a",))]
   np.testing.assert_array_equal(jitted[0], f(table, index))
   plain = jax.jit(f, in_shardings=(NamedSharding(pp.mesh.to_jax(), PartitionSpec("a")), None))
-  assert np.asarray(plain(table, index))[0, :, 0].tolist() == [0.0, 12.0, 60.0, 0.0, 0.0, 0.0]
+  xla = np.asarray(plain(table, index))[0, :, 0].tolist()
+  # jaxlib 0.4.34's answer (zeros where rows are clamped); 0.10.2's is right.
+  assert xla in ([0.0, 12.0, 60.0, 0.0, 0.0, 0.0], np.asarray(f(table, index))[0, :, 0].tolist())
 
 
 def test_tile_outputs_by_name():

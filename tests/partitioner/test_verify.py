@@ -24,9 +24,11 @@ def gptneo():
 def test_amplified_rounding_is_judged_by_the_exact_answer(gptneo):
   workload, program = gptneo
   result = verify(P.apply(program, "batch=8", "BatchParallel(batch)"), workload.args)
-  # The float32 reference is missed (by AdamW's amplified rounding in the updated kernels),
-  # and the float64 one says the lowerings are as close to exact as the reference is.
-  assert result.exact and result.max_abs_err > result.atol
+  # On the pinned stack the float32 reference is missed (by 1.6e-4: AdamW's amplified rounding
+  # in the updated kernels), and the float64 one says the lowerings are as close to exact as
+  # the reference is. On current JAX this step's rounding stays within the tolerance (7.5e-6;
+  # there T5's does not: tests/corpus/test_families.py). The oracle is asked exactly then.
+  assert result.exact == (result.max_abs_err > result.atol)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
   # The exact answer is float64, and agrees with float32 on the loss.
   concrete = jax.tree_util.tree_unflatten(program.in_tree, example_inputs(workload.args))

@@ -142,8 +142,9 @@ def test_gradient_all_reduce_overlaps_megatron_all_reduce_does_not():
   tp = simulate(P.apply(program, "model=8", "Megatron(model)"), "h100")
   # Gradient all-reduces run beside the backward pass; only the last ones (the embedding's, and
   # those a bias gradient's second reduction waits for) are exposed. Megatron's all-reduces sit
-  # on the critical path.
-  assert dp.exposed_comm_s < 0.6 * dp.comm_s
+  # on the critical path. (Exposed: 0.51 of the time on the pinned stack, 0.61 on current JAX,
+  # whose optax 0.2.8 traces the gradients' global norm as all squares, then all sums.)
+  assert dp.exposed_comm_s < 0.65 * dp.comm_s
   assert tp.exposed_comm_s > 0.75 * tp.comm_s
   for c in dp.collectives + tp.collectives:  # a wait is charged to what runs during it
     assert 0 <= c.exposed_seconds <= c.seconds * (1 + 1e-9)

@@ -1,0 +1,60 @@
+"""The JAX names that moved between the pinned stack (JAX 0.4.34) and current JAX (0.10).
+
+Everything else imports these from here, so no other module asks which JAX it runs on. Each
+name is found by what the running JAX has, not by its version number:
+- `Primitive`, `Jaxpr`, `ClosedJaxpr`, `Literal`, `Var` live in `jax.extend.core` on both;
+  `ShapedArray`, `Tracer`, `DropVar` and `eval_jaxpr` stay in `jax.core` on both.
+- `get_aval` left `jax.core`; `jax.typeof` replaced it.
+- `Primitive.get_bind_params` returned (subfuns, params); it now returns the params alone.
+- Literals in a jaxpr were numpy arrays; they are now `TypedNdArray`/`TypedFloat` wrappers.
+- `shard_map` moved from `jax.experimental.shard_map` to `jax.shard_map`, and its
+  `check_rep` became `check_vma`.
+- `enable_x64` moved from `jax.experimental` to a `jax.enable_x64(True)` context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+from jax.core import DropVar, ShapedArray, Tracer, eval_jaxpr  # noqa: F401 (re-exported)
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var  # noqa: F401
+
+get_aval = getattr(jax, "typeof", None) or jax.core.get_aval
+
+
+def bind(primitive, args, params):
+  """Binds a primitive to arguments with the parameters a jaxpr equation holds."""
+  got = primitive.get_bind_params(params)
+  subfuns, bound = got if isinstance(got, tuple) else ((), got)
+  return primitive.bind(*subfuns, *args, **bound)
+
+
+def literal(value):
+  """A jaxpr literal's value as a numpy array (of its own dtype), as JAX 0.4 held it."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or type(value) is np.ndarray:
+    return value
+  return np.array(value, dtype=dtype)
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """`shard_map` with replication checks off: the partitioner states where each value is
+  replicated, and the plan's collectives are what make it so."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  from jax.experimental.shard_map import shard_map as legacy
+  return legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+@contextlib.contextmanager
+def enable_x64():
+  """64-bit types inside the block (float64 references in `verify`)."""
+  if callable(getattr(jax, "enable_x64", None)):
+    with jax.enable_x64(True):
+      yield
+  else:
+    from jax.experimental import enable_x64 as legacy
+    with legacy():
+      yield
