@@ -12,7 +12,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade "pip==24.2"
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hf,ray]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hf,ray,train]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,0 +1,237 @@
+"""The simulator against published, measured large runs: Megatron-LM (Narayanan et al.,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC'21,
+arXiv:2104.04473), Table 1 (weak scaling, TP x PP x DP) and Table 2 (ZeRO-3 without model
+parallelism, 175B).
+
+Each row is a GPT at the paper's configuration (vocabulary 51,200, sequence 2,048, full
+activation recomputation, bf16 compute with fp32 master weights and Adam), written here in
+plain JAX with its layers as a `lax.scan`, traced from abstract arguments at the global batch,
+partitioned with the published plan (t within a node, d across) and simulated on
+`a100-80gb`. Throughput per GPU is the paper's formula (its equation 3) over the predicted
+step time:
+
+    96 B s l h^2 (1 + s / 6h + V / 16lh) / (step time * GPUs)
+
+Rows with pipeline parallelism (p > 1) are listed with their published figures; they cannot
+be expressed until pipelines exist. Writes docs/published.json and its table into
+docs/validation.md (between the `published` markers; `validate_cost_model.py` keeps it).
+
+  python benchmarks/published.py            # about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import partitioner as P  # noqa: E402
+from partitioner.cost import simulate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "Narayanan et al., SC'21 (arXiv:2104.04473)"
+VOCAB, SEQ = 51200, 2048
+GiB = 1 << 30
+
+
+class Run(NamedTuple):
+  """One published run: the model, the plan (t, p, d; ZeRO-3 over all GPUs when `zero3`),
+  the global batch and the measured TFLOP/s per GPU."""
+  table: str
+  params: str
+  layers: int
+  hidden: int
+  heads: int
+  t: int
+  p: int
+  d: int
+  batch: int
+  published: float
+  zero3: bool = False
+
+  @property
+  def gpus(self) -> int:
+    return self.t * self.p * self.d
+
+  @property
+  def plan(self) -> str:
+    return "ZeRO-3" if self.zero3 else f"t={self.t}, p={self.p}, d={self.d}"
+
+
+RUNS = [
+    Run("1", "1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    Run("1", "3.6B", 30, 3072, 32, 2, 1, 32, 512, 138),
+    Run("1", "7.5B", 36, 4096, 32, 4, 1, 32, 512, 142),
+    Run("1", "18.4B", 40, 6144, 48, 8, 1, 32, 1024, 135),
+    Run("1", "39.1B", 48, 8192, 64, 8, 2, 32, 1536, 138),
+    Run("1", "76.1B", 60, 10240, 80, 8, 4, 32, 1792, 140),
+    Run("1", "145.6B", 80, 12288, 96, 8, 8, 24, 2304, 148),
+    Run("1", "310.1B", 96, 16384, 128, 8, 16, 15, 2160, 155),
+    Run("1", "529.6B", 105, 20480, 128, 8, 35, 9, 2520, 163),
+    Run("1", "1008.0B", 128, 25600, 160, 8, 64, 6, 3072, 163),
+    Run("2", "174.6B", 96, 12288, 96, 1, 1, 384, 1536, 144, zero3=True),
+    Run("2", "174.6B", 96, 12288, 96, 1, 1, 768, 1536, 88, zero3=True),
+    Run("2", "174.6B", 96, 12288, 96, 1, 1, 1536, 1536, 44, zero3=True),
+]
+
+
+def model_flops(run: Run) -> float:
+  """FLOPs of one iteration with full recomputation (the paper's equation 3)."""
+  b, s, l, h, v = run.batch, SEQ, run.layers, run.hidden, VOCAB
+  return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def _layer_norm(x, g, b):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) * jax.lax.rsqrt(var + 1e-5) * g + b
+
+
+def gpt_step(run: Run):
+  """A GPT training step as Megatron-LM runs it: bf16 compute on fp32 master weights, each
+  layer recomputed in the backward pass, the embedding tied to the output layer, Adam."""
+  h, heads, compute = run.hidden, run.heads, jnp.bfloat16
+  optimizer = optax.adam(1e-4)
+
+  def layer(x, w):
+    w = jax.tree_util.tree_map(lambda a: a.astype(compute), w)
+    b, s, _ = x.shape
+    y = _layer_norm(x, w["ln1_g"], w["ln1_b"])
+    split = lambda t: t.reshape(b, s, heads, h // heads)
+    q, k, v = split(y @ w["wq"]), split(y @ w["wk"]), split(y @ w["wv"])
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(h // heads)
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -1e9), -1)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(compute), v).reshape(b, s, h)
+    x = x + attended @ w["wo"]
+    y = _layer_norm(x, w["ln2_g"], w["ln2_b"])
+    return x + jax.nn.gelu(y @ w["w1"] + w["b1"]) @ w["w2"] + w["b2"], None
+
+  def loss(params, tokens, labels):
+    embed = params["embed"].astype(compute)
+    x = embed[tokens] + params["pos"].astype(compute)
+    x, _ = jax.lax.scan(jax.checkpoint(layer), x, params["layers"])
+    x = _layer_norm(x, params["lnf_g"].astype(compute), params["lnf_b"].astype(compute))
+    logits = (x @ embed.T).astype(jnp.float32)
+    picked = jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)
+    return -picked.mean()
+
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch["tokens"], batch["labels"])
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  stacked = lambda *shape: f32(run.layers, *shape)
+  params = {"embed": f32(VOCAB, h), "pos": f32(SEQ, h), "lnf_g": f32(h), "lnf_b": f32(h),
+            "layers": {"ln1_g": stacked(h), "ln1_b": stacked(h), "wq": stacked(h, h),
+                       "wk": stacked(h, h), "wv": stacked(h, h), "wo": stacked(h, h),
+                       "ln2_g": stacked(h), "ln2_b": stacked(h), "w1": stacked(h, 4 * h),
+                       "b1": stacked(4 * h), "w2": stacked(4 * h, h), "b2": stacked(h)}}
+  opt_state = jax.eval_shape(optimizer.init, params)
+  tokens = jax.ShapeDtypeStruct((run.batch, SEQ), jnp.int32)
+  return step, (params, opt_state, {"tokens": tokens, "labels": tokens})
+
+
+def schedule(run: Run) -> tuple[str, str]:
+  """The published plan as (mesh, tactics): tensor parallelism inside a node (the minor axis)
+  with vocabulary-parallel embeddings, data parallelism across; or ZeRO-3 over every GPU."""
+  if run.zero3:
+    return f"data={run.d}", "BatchParallel(data); ZeRO(data, stage=3)"
+  if run.t == 1:
+    return f"data={run.d}", "BatchParallel(data)"
+  return (f"data={run.d},model={run.t}",
+          "BatchParallel(data); Megatron(model); EmbeddingSharding(model)")
+
+
+def predict(run: Run, hardware: str) -> dict:
+  row = {"table": run.table, "model": run.params, "plan": run.plan, "gpus": run.gpus,
+         "batch": run.batch, "published_tflops": run.published, "source": SOURCE}
+  if run.p > 1:
+    return {**row, "predicted_tflops": None, "why": "needs pipeline parallelism (issue 52)"}
+  start = time.perf_counter()
+  fn, args = gpt_step(run)
+  mesh, tactics = schedule(run)
+  pp = P.apply(P.trace(fn, *args), mesh, tactics)
+  cost = simulate(pp, hardware)
+  tflops = model_flops(run) / (cost.step_time_s * run.gpus) / 1e12
+  return {**row, "mesh": mesh, "tactics": tactics, "step_time_s": cost.step_time_s,
+          "exposed_comm_s": cost.exposed_comm_s, "peak_gib": cost.peak_memory_bytes / GiB,
+          "fits": cost.fits, "predicted_tflops": tflops, "ratio": tflops / run.published,
+          "seconds": time.perf_counter() - start}
+
+
+def render(rows: list[dict], hardware: str) -> str:
+  lines = [
+      "## Published large runs: predicted vs measured throughput",
+      "",
+      f"Generated by `benchmarks/published.py` on `{hardware}`. Source: {SOURCE}, Table 1 "
+      "(weak scaling) and Table 2 (ZeRO-3, 175B). A plain-JAX GPT at each published "
+      "configuration (vocabulary 51,200, sequence 2,048, full recomputation, bf16 compute on "
+      "fp32 master weights and Adam), partitioned with the published plan; throughput per GPU "
+      "from the predicted step time by the paper's equation 3.",
+      "",
+      "| table | model | plan | GPUs | batch | published TFLOP/s | predicted | predicted / "
+      "published | peak memory |",
+      "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    if r["predicted_tflops"] is None:
+      cells = ["", "", r["why"]]
+    else:
+      cells = [f"{r['predicted_tflops']:.0f}", f"{r['ratio']:.2f}",
+               f"{r['peak_gib']:.0f} GiB{'' if r['fits'] else ' (over)'}"]
+    lines.append(f"| {r['table']} | {r['model']} | {r['plan']} | {r['gpus']} | {r['batch']} | "
+                 f"{r['published_tflops']:.0f} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+MARK_START, MARK_END = "<!-- published: start -->", "<!-- published: end -->"
+
+
+def with_section(text: str, section: str) -> str:
+  """`text` with the published section replaced, or appended where there is none."""
+  block = f"{MARK_START}\n{section}{MARK_END}\n"
+  if MARK_START in text and MARK_END in text:
+    head, rest = text.split(MARK_START, 1)
+    return head + block + rest.split(MARK_END, 1)[1].lstrip("\n")
+  return text.rstrip("\n") + "\n\n" + block
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--hardware", default="a100-80gb")
+  parser.add_argument("--json", default="docs/published.json")
+  parser.add_argument("--markdown", default="docs/validation.md")
+  args = parser.parse_args(argv)
+  rows = []
+  for run in RUNS:
+    rows.append(predict(run, args.hardware))
+    r = rows[-1]
+    got = "n/a" if r["predicted_tflops"] is None else (
+        f"{r['predicted_tflops']:.0f} ({r['ratio']:.2f}x, {r['seconds']:.0f} s)")
+    print(f"{run.params:>8} {run.plan:<22} {run.gpus:>5} GPUs: published "
+          f"{run.published:.0f}, predicted {got}", flush=True)
+  out = ROOT / args.json
+  out.write_text(json.dumps({"hardware": args.hardware, "rows": rows}, indent=2) + "\n")
+  md = ROOT / args.markdown
+  md.write_text(with_section(md.read_text() if md.exists() else "",
+                             render(rows, args.hardware)))
+  print(f"wrote {out} and {md}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
