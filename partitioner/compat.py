@@ -3,7 +3,7 @@
 Everything else imports these from here, so no other module asks which JAX it runs on. Each
 name is found by what the running JAX has, not by its version number:
 - `Primitive`, `Jaxpr`, `ClosedJaxpr`, `Literal`, `Var` live in `jax.extend.core` on both;
-  `ShapedArray`, `Tracer`, `DropVar` and `eval_jaxpr` stay in `jax.core` on both.
+  `ShapedArray`, `Tracer` and `eval_jaxpr` stay in `jax.core`; `DropVar` moved to the former.
 - `get_aval` left `jax.core`; `jax.typeof` replaced it.
 - `Primitive.get_bind_params` returned (subfuns, params); it now returns the params alone.
 - Literals in a jaxpr were numpy arrays; they are now `TypedNdArray`/`TypedFloat` wrappers.
@@ -18,8 +18,11 @@ import contextlib
 
 import jax
 import numpy as np
-from jax.core import DropVar, ShapedArray, Tracer, eval_jaxpr  # noqa: F401 (re-exported)
+import jax.extend.core as _core
+from jax.core import ShapedArray, Tracer, eval_jaxpr  # noqa: F401 (re-exported)
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var  # noqa: F401
+
+DropVar = getattr(_core, "DropVar", None) or jax.core.DropVar
 
 get_aval = getattr(jax, "typeof", None) or jax.core.get_aval
 

@@ -84,9 +84,23 @@ def _constant_values(hlo_text: str) -> set[str]:
   return consts
 
 
+_RESULT = re.compile(r"^\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=\s*(.+?)\s+[a-z][\w\-]*\(")
+
+
+def _result_bytes(hlo_text: str) -> dict[str, list[int]]:
+  """Each instruction's result bytes: XLA after jaxlib 0.4 prints operands by name alone."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _RESULT.match(line)
+    if m:
+      out[m.group(1)] = _shape_bytes(m.group(2))
+  return out
+
+
 def hlo_collectives(hlo_text: str, mesh: Mesh) -> list[HloCollective]:
   found = []
   constants = _constant_values(hlo_text)
+  named = None
   for line in hlo_text.splitlines():
     m = _LINE.match(line)
     if not m:
@@ -94,6 +108,10 @@ def hlo_collectives(hlo_text: str, mesh: Mesh) -> list[HloCollective]:
     kind, attrs = m.group("kind"), m.group("attrs") or ""
     results = _shape_bytes(m.group("type"))
     operands = _shape_bytes(m.group("operands"))
+    if not operands:
+      named = _result_bytes(hlo_text) if named is None else named
+      operands = [b for r in re.findall(r"%[\w.\-]+", m.group("operands"))
+                  for b in named.get(r, [])]
     if m.group("start"):
       nbytes = max(results + operands)
       count = 1
