@@ -10,8 +10,9 @@ from partitioner.verify import verify
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [f for f in corpus.FAMILIES
-                                    if f not in corpus.split("external")])
+@pytest.mark.parametrize("family", [f for f in corpus.FAMILIES   # the real-models tier: in
+                                    if f not in corpus.split("external")   # test_real_models
+                                    and f not in corpus.split("real")])
 def test_batch_parallel_verifies_with_gradient_all_reduces_only(family):
   workload = corpus.load(f"{family}:small")
   program = P.trace(workload.fn, *workload.args)

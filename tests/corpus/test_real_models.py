@@ -27,6 +27,8 @@ def test_real_models_verify_under_data_tensor_and_fully_sharded_parallelism(fami
   workload, program = traced(f"{family}:small")
   pp = P.apply(program, MESH, corpus.experts(family)[strategy])
   assert pp.fallbacks == {}
+  if strategy == "dp":   # pure data parallelism sums gradients, statistics and the loss only
+    assert {c.kind for c in pp.collectives} == {"all-reduce"}
   result = verify(pp, workload.args)
   assert result.ok, f"{family} {strategy}: max error {result.max_abs_err} in {result.worst}"
 
