@@ -185,7 +185,7 @@ class _Builder:
           if key in eqn.params:
             body = eqn.params[key]
             break
-      if name in _DECOMPOSED or (name in _BATCHED_INDEXING and _batching_dims(eqn)):
+      if name in _DECOMPOSED or _batched_indexing(eqn):
         body = (_DECOMPOSED.get(name) or _unbatched_indexing)(eqn)
       if name == "scan":
         body_eqns = _count_eqns(eqn.params["jaxpr"].jaxpr)
@@ -271,12 +271,11 @@ def _as_jaxpr(eqn, fn) -> core.ClosedJaxpr:
                               for v in eqn.invars))
 
 
-_BATCHED_INDEXING = ("gather", "scatter", "scatter-add", "scatter_add", "scatter-mul",
-                     "scatter_mul", "scatter-min", "scatter_min", "scatter-max", "scatter_max")
-
-
-def _batching_dims(eqn) -> tuple:
-  return getattr(eqn.params["dimension_numbers"], "operand_batching_dims", ())
+def _batched_indexing(eqn) -> bool:
+  """A gather or scatter with batching dimensions (which JAX 0.4 never emits)."""
+  name = eqn.primitive.name
+  return (name == "gather" or name.startswith("scatter")) and bool(
+      getattr(eqn.params.get("dimension_numbers"), "operand_batching_dims", ()))
 
 
 def _unbatched_indexing(eqn) -> core.ClosedJaxpr:
