@@ -8,7 +8,7 @@ from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram, apply
 from partitioner.sharding import Sharding
 from partitioner.tactics import (Auto, BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 Replicate, SequenceParallel, Tactic, Tile, ZeRO, parse_schedule)
+                                 Microbatch, Replicate, SequenceParallel, Tactic, Tile, ZeRO, parse_schedule)
 from partitioner.tracing import trace
 
 
@@ -26,6 +26,7 @@ def to_jax_shardings(partitioned, jax_mesh=None):
 
 __all__ = [
     "Auto", "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
+    "Microbatch",
     "Op", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
     "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "Tactic", "Tile", "Value",
     "WorkloadError", "ZeRO", "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",

@@ -164,6 +164,9 @@ class Program:
     self.aliases = dict(aliases)  # output position -> input position (the updated state).
     self.static = dict(static or {})  # argument leaf position -> a constant of the trace
     self.loops: tuple[dict, ...] = ()  # the scans tracing met, unrolled or kept (`trace`)
+    self.source: tuple | None = None   # (function, loops) it was traced from (`tracing.retrace`)
+    self.original: "Program | None" = None   # the program a rewrite made this one from
+    self.microbatches = 1              # into how many micro-batches a step's batch is cut
     self._input_pos = {v: i for i, v in enumerate(self.inputs)}
     self._output_pos: dict[int, int] = {}
     for i, v in enumerate(self.outputs):
@@ -310,13 +313,19 @@ class Program:
     """Runs the program on flat input leaves and returns the flat outputs (un-partitioned).
     `on_result(value id, x)`, if given, may replace each op result (a sharding constraint);
     `bind_op(op, args)`, if given, runs ops in place of `bind` (a rewrite of one kind of op)."""
-    bind_op = bind_op or (lambda op, args: bind(op, args, op.params))
     env: list[Any] = [None] * len(self.values)
     for vid, x in zip(self.inputs, flat_inputs):
       env[vid] = x
     for v in self.values:
       if v.is_const:
         env[v.id] = v.const
+    self.run(env, on_result=on_result, bind_op=bind_op)
+    return [env[v] for v in self.outputs]
+
+  def run(self, env: list, only=None, on_result=None, bind_op=None) -> None:
+    """Runs ops in program order on `env` (value id -> array), writing their results there.
+    `only`: the op indices to run (a loop runs whole when its enter op is among them)."""
+    bind_op = bind_op or (lambda op, args: bind(op, args, op.params))
     on_result = on_result or (lambda vid, x: x)
 
     def step(op):
@@ -339,8 +348,11 @@ class Program:
                                                 iteration)):
         env[vid] = on_result(vid, x)
 
-    walk(self, 0, len(self.ops), step, loop)
-    return [env[v] for v in self.outputs]
+    if only is None:
+      walk(self, 0, len(self.ops), step, loop)
+    else:   # a loop runs whole when its enter op is chosen
+      walk(self, 0, len(self.ops), lambda op: op.index in only and step(op),
+           lambda k, lo, hi: lo - 1 in only and loop(k, lo, hi))
 
   def __call__(self, *args):
     import jax

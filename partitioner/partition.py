@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from typing import Mapping, Sequence
 
@@ -12,8 +13,8 @@ from partitioner.mesh import Mesh
 from partitioner.plan import Plan, make_plan
 from partitioner.propagation import Conflict, ShardingState
 from partitioner.sharding import Sharding, spec_entries
-from partitioner.tactics import (AutoSolver, Tactic, TacticContext, TacticReport, format_schedule,
-                                 parse_schedule)
+from partitioner.tactics import (AutoSolver, ProgramRewrite, Tactic, TacticContext, TacticReport,
+                                 format_schedule, parse_schedule)
 
 
 def as_mesh(mesh: Mesh | str | Mapping[str, int]) -> Mesh:
@@ -55,9 +56,17 @@ class PartitionedProgram:
   def apply(self, schedule: str | Tactic | Sequence[Tactic],
             solver: AutoSolver | None = None) -> "PartitionedProgram":
     """The schedule's tactics applied after this program's; `solver` decides `Auto` tactics."""
+    tactics = as_tactics(schedule)
+    if tactics and isinstance(tactics[0], ProgramRewrite) and not self.schedule:
+      start = time.perf_counter()
+      program = tactics[0].rewrite(self.program)
+      report = TacticReport(str(tactics[0]), (), 0, (f"{program!r}",),
+                            time.perf_counter() - start)
+      return PartitionedProgram(program, self.mesh, schedule=tactics[:1],
+                                reports=[report]).apply(tactics[1:], solver)
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)
-    for tactic in as_tactics(schedule):
+    for tactic in tactics:
       ctx = TacticContext(state, len(done), schedule=done, solver=solver)
       tactic.apply(ctx)
       done.append(tactic)

@@ -106,6 +106,19 @@ class Tactic(abc.ABC):
     return f"{self.name}({', '.join(args)})"
 
 
+class ProgramRewrite(Tactic):
+  """A tactic that rewrites the program the other tactics shard (`Microbatch`): it comes
+  first in a schedule, and `PartitionedProgram.apply` partitions what it returns."""
+
+  @abc.abstractmethod
+  def rewrite(self, program):
+    """The rewritten program."""
+
+  def apply(self, ctx):
+    raise ScheduleError(f"{self} rewrites the program the other tactics shard: put it first in "
+                        f"the schedule (it came after {format_schedule(ctx.schedule)})")
+
+
 TACTICS: dict[str, type[Tactic]] = {}
 
 
@@ -120,6 +133,20 @@ def _matches(ctx: TacticContext, pattern: str) -> list[int]:
     raise PatternError(f"pattern {pattern!r} matches no input or output of the program "
                        f"(inputs look like {ctx.program.input_names[0]!r})")
   return found
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Microbatch(ProgramRewrite):
+  """Gradient accumulation: the step's batch cut into `k` micro-batches that run one after
+  another in a loop; the loss and gradients are summed across them and the update is applied
+  once (partitioner/microbatch.py). Activations shrink k-fold; nothing else changes."""
+  k: int
+  name: ClassVar[str] = "Microbatch"
+
+  def rewrite(self, program):
+    from partitioner.microbatch import microbatch
+    return microbatch(program, self.k)
 
 
 @register

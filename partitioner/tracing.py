@@ -406,4 +406,29 @@ def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None,
   program = Program(builder.values, builder.ops, inputs, input_names, outputs, output_names,
                     in_tree, out_tree, names, aliases, static)
   program.loops = tuple(builder.loops)
+  program.source = (fn, loops)
   return program
+
+
+def abstract_args(program: Program, shapes: dict[int, tuple[int, ...]] | None = None) -> tuple:
+  """Arguments shaped like the traced ones: abstract arrays (with `shapes`: input position ->
+  a new shape) and the trace's constants."""
+  leaves, inputs = [], iter(enumerate(program.inputs))
+  for i in range(program.in_tree.num_leaves):
+    if i in program.static:
+      leaves.append(program.static[i])
+      continue
+    k, vid = next(inputs)
+    v = program.values[vid]
+    leaves.append(jax.ShapeDtypeStruct((shapes or {}).get(k, v.shape), v.dtype))
+  return tree_util.tree_unflatten(program.in_tree, leaves)
+
+
+def retrace(program: Program, shapes: dict[int, tuple[int, ...]]) -> Program:
+  """The program's function traced again with some inputs reshaped (input position -> shape):
+  the same step at another batch size."""
+  if program.source is None:
+    raise WorkloadError("this program was not traced from a function (partitioner.trace), so it "
+                        "cannot be traced again at another shape")
+  fn, loops = program.source
+  return trace(fn, *abstract_args(program, shapes), arg_names=program.arg_names, loops=loops)

@@ -155,7 +155,7 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
            jax_mesh=None, expected=None) -> Verification:
   """Runs the unpartitioned program, the shard_map lowering and the jit lowering; compares.
   `expected`: the unpartitioned program's outputs on these inputs, if already known."""
-  program = pp.program
+  program = pp.program.original or pp.program   # a rewrite (micro-batches) is checked too
   flat = example_inputs(args, seed)
   concrete = jax.tree_util.tree_unflatten(program.in_tree, flat)
   inputs = program.flatten_args(concrete)

@@ -1,0 +1,390 @@
+"""Micro-batches (gradient accumulation) as a rewrite of the program.
+
+`microbatch(program, k)` cuts the step's batch into k micro-batches and runs the part of the
+step that works per example once per micro-batch, in a `lax.scan`. What the step sums over
+the batch (the loss, the gradients) is summed across iterations in the loop's carries; the
+rest (the optimizer update) runs once, on the sums. The result is an ordinary program with one
+more loop, so tactics, both lowerings and the cost model treat it as any scanned step:
+activations are those of one micro-batch, what the loop reads from outside (parameters) is
+made ready once, and a data-parallel gradient is reduced once, after the loop.
+
+Which ops run per micro-batch is found from the dataflow. The program is partitioned over a
+mesh of one axis of k devices with data parallelism: a micro-batch is data parallelism over
+time. An op that reads the data and whose result is split on that axis, or partial over it,
+runs per micro-batch. So does an op linear in such a partial sum: scaling the summed loss, or
+casting a gradient. These ops are traced again at the micro-batch's size
+(`tracing.retrace`), but keep the full step's constants: a mean over the batch still divides
+by the whole batch.
+
+A micro-batch takes every k-th example (rows i, i+k, i+2k...). Cutting a batch that is split
+over devices along its leading dimension then moves no data. Outputs per example come back in
+their order. A step that needs a statistic of the whole batch before its gradients (a
+batch-norm mean, or a loss divided by the batch's token count) cannot be cut so; it is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from partitioner import roles as R
+from partitioner.errors import ScheduleError
+from partitioner.ir import SCAN_ENTER, SCAN_EXIT, Program
+
+AXIS = "microbatch"   # the axis of the one-axis mesh that finds the per-example part
+
+# Ops linear in their operand 0 when no other operand depends on the batch.
+_SHAPE_OPS = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p",
+                        "convert_element_type", "broadcast_in_dim", "slice", "rev",
+                        "reduce_precision", "dynamic_slice", "gather"})
+_FIRST = _SHAPE_OPS | {"neg", "reduce_sum", "cumsum", "div", "pad"}
+# Linear in all operands together (each a partial sum or zero).
+_ALL = frozenset({"add", "add_any", "sub", "concatenate"})
+# Linear in one operand when the others do not depend on the batch.
+_ONE = frozenset({"mul", "dot_general"})
+# Ops that draw random numbers: inside the per-micro-batch part they would repeat.
+_RANDOM = frozenset({"random_bits", "threefry2x32", "rng_bit_generator", "rng_uniform"})
+# Ops that keep an all-zero operand all zero.
+_KEEP_ZERO = frozenset({"broadcast_in_dim", "convert_element_type", "reshape", "copy"})
+
+
+class Cut(NamedTuple):
+  """Where the step is cut: the ops run per micro-batch (`body`), before the loop (`pre`) and
+  after it (`post`); what the loop reads whole (`invariant`) and one micro-batch of at a
+  time (`split`: value -> dimension); what leaves it summed (`summed`: value -> how partial
+  sums combine) or stacked per example (`stacked`: value -> dimension)."""
+  body: frozenset
+  pre: frozenset
+  post: frozenset
+  invariant: tuple
+  split: dict
+  summed: dict
+  stacked: dict
+  batch: int
+
+
+def _refuse(k: int, why: str):
+  raise ScheduleError(f"Microbatch({k}): {why}")
+
+
+def microbatch(program: Program, k: int) -> Program:
+  """The step with its batch cut into `k` micro-batches, gradients accumulated in a loop."""
+  if not isinstance(k, int) or k < 1:
+    raise ScheduleError(f"Microbatch needs a positive number of micro-batches, got {k!r}")
+  if k == 1:
+    return program
+  if program.original is not None:
+    _refuse(k, "the program is cut into micro-batches already")
+  cut, small = _cut(program, k)
+  return _emit(program, small, cut, k)
+
+
+def _data(program: Program, k: int) -> tuple[list[int], int]:
+  picked, _ = R.batch_inputs(program, R.roles(program).data)
+  if not picked:
+    _refuse(k, "the step has no data input (an argument other than params and optimizer state) "
+               "to cut")
+  n = program.values[picked[0]].shape[R.batch_dim(program, picked[0])]
+  if n % k:
+    _refuse(k, f"a batch of {n} does not divide into {k} micro-batches")
+  return picked, n
+
+
+def _cut(program: Program, k: int) -> tuple[Cut, Program]:
+  from partitioner.mesh import Mesh
+  from partitioner.partition import PartitionedProgram
+  from partitioner.plan import make_plan
+  from partitioner.tactics import BatchParallel
+  from partitioner.tracing import retrace
+
+  picked, n = _data(program, k)
+  values, ops = program.values, program.ops
+  state = PartitionedProgram(program, Mesh({AXIS: k})).apply(BatchParallel(AXIS)).state
+  plan = make_plan(state, deferral=False)
+  example = [next((d for d, axes in enumerate(state.dims[v.id]) if AXIS in axes), None)
+             for v in values]
+
+  # Values that depend on the data (loop carries: until nothing changes).
+  data = np.zeros(len(values), bool)
+  data[list(picked)] = True
+  changed = True
+  while changed:
+    changed = False
+    for op in ops:
+      if any(data[v] for v in op.inputs) and not all(data[v] for v in op.outputs):
+        data[list(op.outputs)] = True
+        changed = True
+      if op.primitive is SCAN_EXIT:   # a carry that becomes data-dependent is so all around
+        n_carry = op.params["num_carry"]
+        enter = ops[_enter_of(program, op.index)]
+        for j in range(n_carry):
+          if data[op.inputs[j]] and not data[enter.outputs[j]]:
+            data[enter.outputs[j]] = True
+            changed = True
+
+  # Partial sums over the batch: made by a reduction over it, or linear in such a sum.
+  zero: set[int] = {v.id for v in values if v.is_const and not np.any(np.asarray(v.const))}
+  partial: dict[int, str] = {}
+  nonlinear: set[int] = set()   # ops that read a partial sum and are not linear in it
+  for op in ops:
+    ins = op.inputs
+    if not any(data[v] for v in ins):
+      if op.name in _KEEP_ZERO and ins and ins[0] in zero:
+        zero.update(op.outputs)
+      continue
+    made = [r.reduce if AXIS in r.partial else None for r in plan.ops[op.index].result]
+    if any(made):
+      partial.update((v, kind) for v, kind in zip(op.outputs, made) if kind)
+      continue
+    if not any(v in partial for v in ins):
+      continue
+    kinds = _linear(op, partial, zero, data)
+    if kinds is None:
+      nonlinear.add(op.index)
+    else:
+      partial.update((v, kind) for v, kind in zip(op.outputs, kinds) if kind)
+
+  # The ops run per micro-batch: those that read the data and make something split over the
+  # batch or partial over it; whole loops that hold one; then every op reading what they make
+  # that is neither (it exists only inside the loop).
+  # Ops that make something of the batch's size without reading the data (a broadcast, an
+  # iota) run per micro-batch too, at its size, unless they draw random numbers: those are
+  # drawn for the whole batch before the loop, so that each example keeps its own.
+  producer = [v.producer for v in values]
+  drawn = np.zeros(len(values), bool)
+  for op in ops:
+    if op.name in _RANDOM or any(drawn[v] for v in op.inputs):
+      drawn[list(op.outputs)] = True
+  body = {op.index for op in ops
+          if any(example[v] is not None or v in partial for v in op.outputs)
+          and (any(data[v] for v in op.inputs) or not any(drawn[v] for v in op.outputs))}
+  while True:
+    before = len(body)
+    _close_regions(program, body)
+    for op in ops:
+      if op.index not in body and any(
+          producer[v] in body and example[v] is None and v not in partial for v in op.inputs):
+        body.add(op.index)
+    if len(body) == before:
+      break
+
+  describe = lambda v: program.name(v)
+  for i in sorted(body):
+    op = ops[i]
+    if i in nonlinear:
+      v = next(v for v in op.inputs if v in partial)
+      _refuse(k, f"op #{i} ({op.name}) needs {describe(v)}, a sum over the whole batch, "
+                 "before the step's per-example work is done (a batch statistic, or a loss "
+                 "divided by a count over the batch): micro-batches cannot be computed apart")
+    if op.name in _RANDOM:
+      _refuse(k, f"op #{i} ({op.name}) draws random numbers inside the per-example part; they "
+                 "would repeat in every micro-batch")
+
+  # What the loop needs from outside is made before it.
+  pre: set[int] = set()
+  stack = [producer[v] for i in body for v in ops[i].inputs
+           if producer[v] is not None and producer[v] not in body]
+  while stack:
+    i = stack.pop()
+    if i in pre:
+      continue
+    pre.add(i)
+    for v in ops[i].inputs:
+      p = producer[v]
+      if p is not None and p not in pre:
+        if p in body:
+          _refuse(k, f"op #{i} ({ops[i].name}) is computed from a sum over the whole batch and "
+                     "read back by the per-example work (a batch statistic): micro-batches "
+                     "cannot be computed apart")
+        stack.append(p)
+    grown = set(pre)
+    _close_regions(program, grown)
+    stack.extend(grown - pre)
+  post = frozenset(range(len(ops))) - body - pre
+
+  small = retrace(program, {
+      program.input_position(v): _cut_shape(values[v].shape, R.batch_dim(program, v), k)
+      for v in picked})
+  _same_structure(program, small, k)
+  svals = small.values
+
+  def dim_of(v) -> int | None:
+    """The dimension the micro-batch cuts: where the small step's shape is k times smaller."""
+    a, b = values[v].shape, svals[v].shape
+    diff = [d for d, (x, y) in enumerate(zip(a, b)) if x != y]
+    if not diff:
+      return None
+    if len(diff) > 1 or a[diff[0]] != n or b[diff[0]] * k != n:
+      _refuse(k, f"{describe(v)} carries the batch merged with other dimensions "
+                 f"({list(a)} at the full batch, {list(b)} at a micro-batch)")
+    return diff[0]
+
+  invariant, split = [], {}
+  for i in sorted(body):
+    for v in ops[i].inputs:
+      if producer[v] in body or values[v].is_const or v in split or v in invariant:
+        continue
+      d = dim_of(v)
+      if d is None:
+        invariant.append(v)
+      else:
+        split[v] = d
+  summed, stacked = {}, {}
+  leaving = [v for i in sorted(post) for v in ops[i].inputs] + list(program.outputs)
+  for v in leaving:
+    if producer[v] not in body or v in summed or v in stacked:
+      continue
+    if example[v] is not None:
+      stacked[v] = dim_of(v)
+      if stacked[v] is None:
+        _refuse(k, f"{describe(v)} is split over the batch but does not change with it")
+    elif v in partial:
+      summed[v] = partial[v]
+    else:
+      _refuse(k, f"{describe(v)} is made per micro-batch but is neither per example nor a sum "
+                 "over the batch")
+  cut = Cut(frozenset(body), frozenset(pre), post, tuple(invariant), split, summed, stacked, n)
+  return cut, small
+
+
+def _linear(op, partial, zero, data) -> list | None:
+  """Per result, how the op's result is a partial sum (its combining kind, or None) if the op
+  is linear in the partial sums it reads; None if it is not."""
+  ins, name = op.inputs, op.name
+  is_p = [v in partial for v in ins]
+  is_pz = [v in partial or v in zero for v in ins]
+  kinds = {partial[v] for v in ins if v in partial}
+  if len(kinds) > 1:
+    return None
+  kind = kinds.pop()
+  free = lambda js: all(not data[ins[j]] or ins[j] in zero for j in js)
+  rest = lambda first: [j for j in range(len(ins)) if j not in first]
+  if op.primitive is SCAN_ENTER:
+    return [partial.get(v) for v in ins]
+  if op.primitive is SCAN_EXIT:   # reads the carries and outputs made, then the carries in
+    return [partial.get(v) for v in ins[:len(op.outputs)]]
+  if kind != "sum":
+    ok = name in _SHAPE_OPS and is_p[0] and free(rest([0]))
+  elif name in _FIRST:
+    ok = is_p[0] and free(rest([0])) and (name != "pad" or ins[1] in zero)
+  elif name in _ALL:
+    ok = all(is_pz)
+  elif name in _ONE:
+    ok = sum(is_p) == 1 and free(rest([is_p.index(True)]))
+  elif name == "select_n":
+    ok = free([0]) and all(is_pz[1:])
+  elif name == "dynamic_update_slice":
+    ok = is_pz[0] and is_pz[1] and free(range(2, len(ins)))
+  else:
+    ok = False
+  return [kind] * len(op.outputs) if ok else None
+
+
+def _enter_of(program: Program, exit_index: int) -> int:
+  region = program.ops[exit_index].params["region"]
+  return next(r.enter for r in program.regions
+              if program.ops[r.enter].params["region"] == region)
+
+
+def _close_regions(program: Program, chosen: set) -> None:
+  """Adds every op of a loop that holds a chosen op, its enter and exit ops included."""
+  for r in program.regions:
+    if any(i in chosen for i in range(r.enter, r.exit + 1)):
+      chosen.update(range(r.enter, r.exit + 1))
+
+
+def _cut_shape(shape, dim: int, k: int) -> tuple[int, ...]:
+  return tuple(s // k if d == dim else s for d, s in enumerate(shape))
+
+
+def _same_structure(full: Program, small: Program, k: int) -> None:
+  if len(full.ops) != len(small.ops) or len(full.values) != len(small.values) or any(
+      a.name != b.name or len(a.inputs) != len(b.inputs) or len(a.outputs) != len(b.outputs)
+      for a, b in zip(full.ops, small.ops)):
+    _refuse(k, "the step traces differently at a micro-batch's size (it branches on the batch "
+               "size), so its ops cannot be matched")
+  for a, b in zip(full.ops, small.ops):
+    if any(x != y for x, y in zip(a.inputs + a.outputs, b.inputs + b.outputs)):
+      _refuse(k, "the step traces differently at a micro-batch's size (its values differ), so "
+                 "its ops cannot be matched")
+
+
+def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
+  """The cut step as a function, traced into the new program."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from partitioner.tracing import abstract_args, trace
+
+  values, svals = program.values, small.values
+  summed = list(cut.summed.items())
+  stacked = list(cut.stacked.items())
+  split = list(cut.split.items())
+  # The small step's constants are the full step's where their shapes agree (1/batch).
+  consts = [None] * len(svals)
+  for v in svals:
+    if v.is_const:
+      full = values[v.id]
+      consts[v.id] = full.const if full.is_const and full.shape == v.shape else v.const
+  wide = lambda dtype: (np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating)
+                        and np.dtype(dtype).itemsize < 4 else np.dtype(dtype))
+
+  def step(*flat):
+    env: list = [None] * len(values)
+    for v in values:
+      if v.is_const:
+        env[v.id] = v.const
+    for vid, x in zip(program.inputs, flat):
+      env[vid] = x
+    program.run(env, only=cut.pre)
+    xs = [_strided(env[v], d, k) for v, d in split]
+    outside = [env[v] for v in cut.invariant]
+    init = [jnp.zeros(values[v].shape, wide(values[v].dtype)) for v, _ in summed]
+
+    def iteration(carry, slices):
+      senv = list(consts)
+      for v, x in zip(cut.invariant, outside):
+        senv[v] = x
+      for (v, _), x in zip(split, slices):
+        senv[v] = x
+      small.run(senv, only=cut.body)
+      new = [_combine(kind, c, senv[v].astype(c.dtype)) for (v, kind), c in zip(summed, carry)]
+      return new, [senv[v] for v, _ in stacked]
+
+    carry, ys = lax.scan(iteration, init, xs, length=k)
+    for (v, _), c in zip(summed, carry):
+      env[v] = c.astype(values[v].dtype)
+    for (v, d), y in zip(stacked, ys):
+      env[v] = _unstrided(y, d)
+    program.run(env, only=cut.post)
+    return [jnp.asarray(env[v]) for v in program.outputs]
+
+  def fn(*args):
+    outs = step(*program.flatten_args(args))
+    return jax.tree_util.tree_unflatten(program.out_tree, outs)
+
+  out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep")
+  out.original = program
+  out.microbatches = k
+  return out
+
+
+def _combine(kind: str, a, b):
+  import jax.numpy as jnp
+  return a + b if kind == "sum" else jnp.maximum(a, b) if kind == "max" else jnp.minimum(a, b)
+
+
+def _strided(x, dim: int, k: int):
+  """Micro-batch i of `x` at index i: rows i, i+k, i+2k... of dimension `dim`."""
+  import jax.numpy as jnp
+  shape = x.shape[:dim] + (x.shape[dim] // k, k) + x.shape[dim + 1:]
+  return jnp.moveaxis(x.reshape(shape), dim + 1, 0)
+
+
+def _unstrided(y, dim: int):
+  """The inverse of `_strided`: micro-batches stacked at index 0 back in their rows."""
+  import jax.numpy as jnp
+  y = jnp.moveaxis(y, 0, dim + 1)
+  return y.reshape(y.shape[:dim] + (y.shape[dim] * y.shape[dim + 1],) + y.shape[dim + 2:])
