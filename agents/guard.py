@@ -8,6 +8,10 @@ them takes seconds, the environment's cache of states shared with the policy's o
 `propose`, `Auto(policy=...)` and the guarded evaluation agents play the policy, cost the hand
 schedules from the same start, and play the best by the one rule (`corpus.experts.preference`):
 what fits before what does not, then the fastest. The policy wins ties.
+
+Where nothing fits, `fit_with_microbatches` cuts the batch of the fastest plans into
+micro-batches (`partitioner.Microbatch`), which shrinks activations and leaves the rest of a
+plan as it is, until one fits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from agents.decoding import TrainedPolicy, play_policy
 from agents.search.expert import ExpertPlay, evaluate_experts
 from agents.search.planning import path_to, play
 from corpus.experts import preference
+from partitioner.errors import ShardzeroError
 
 
 class Guarded(NamedTuple):
@@ -87,3 +92,39 @@ def play_guarded(env, policy: TrainedPolicy, search: str = "greedy",
   return Guarded(winner, fits, cost.step_time_s, cost.peak_memory_bytes, policy_fits,
                  line.partitioned.strategy, best_hand, hand, policy_s, simulations,
                  time.perf_counter() - began)
+
+
+class Microbatched(NamedTuple):
+  """A plan that fits once its batch is cut into micro-batches."""
+  k: int
+  base: str          # the plan it cuts: "policy" or a hand schedule's name
+  pp: object         # the partitioned (rewritten) task program
+  cost: object       # its CostReport
+
+
+def fit_with_microbatches(ctx, guarded: Guarded, plans: int = 3,
+                          largest: int = 64) -> Microbatched | None:
+  """Where no plan fits: the `plans` fastest (the policy's and the hand schedules) again with
+  the batch cut into 2, 4, 8... micro-batches, up to `largest`; the first that fits, from the
+  fastest plan that can. None where none does."""
+  from partitioner.cost import simulate
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import Microbatch, parse_schedule
+  from environments.tasks import load_program
+  candidates = [("policy", guarded.policy_schedule, guarded.policy_step_s)] + [
+      (h.name, h.schedule, h.cost.step_time_s) for h in guarded.hand if h.cost is not None]
+  candidates.sort(key=lambda c: c[2])
+  program = load_program(ctx.task.model)
+  for name, schedule, _ in candidates[:plans]:
+    tactics = parse_schedule(schedule)
+    k = 2
+    while k <= largest:
+      try:
+        pp = PartitionedProgram(program, ctx.mesh).apply([Microbatch(k)] + tactics)
+      except ShardzeroError:   # the batch does not divide, or the step cannot be cut
+        break
+      cost = simulate(pp, ctx.task.hardware)
+      if cost.peak_memory_bytes <= ctx.budget:
+        return Microbatched(k, name, pp, cost)
+      k *= 2
+  return None

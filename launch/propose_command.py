@@ -6,7 +6,7 @@ import argparse
 
 from launch import report
 from launch.partition_command import _mesh_size
-from launch.search_command import strategy_result
+from launch.search_command import _cost_dict, strategy_result
 
 HELP = "propose a partitioning strategy with a trained policy"
 
@@ -23,7 +23,10 @@ The answer is never worse than a hand schedule: the generic ones (data paralleli
 HSDP, Megatron and their mixtures; the family's expert strategies for corpus models) are
 costed from the same start, and the best plan by the simulator wins: what fits the memory
 budget before what does not, then the fastest. The output says which won and by how much.
-Where no plan fits, it says so, shows the closest, and exits with status 1.
+Where no plan fits, the fastest plans are tried again with the batch cut into 2, 4, 8...
+micro-batches (Microbatch: gradient accumulation, activations shrink, nothing else changes),
+and the first that fits is the answer. Where none fits even so, it says so, shows the closest,
+and exits with status 1.
 
 --verify runs the answer on local devices against the unpartitioned program.
 """
@@ -58,7 +61,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
   import corpus
   import policies
-  from agents.guard import play_guarded
+  from agents.guard import fit_with_microbatches, play_guarded
   from environments import EnvConfig, PartitioningEnv, Task, parse_bytes
   from learners.policies import load_policy
   from partitioner.cost import load_hardware
@@ -111,7 +114,29 @@ def run(args) -> int:
                            "within_budget": bool(h.fits)}) for h in guarded.hand],
       "cost_ratio_to_expert": None if guarded.best_hand is None else
       cost.step_time_s / guarded.best_hand.cost.step_time_s})
-  if args.verify and guarded.fits:
+  micro = None
+  if not guarded.fits:
+    if status:
+      status.start()
+      status.update("nothing fits: cutting the batch into micro-batches")
+    try:
+      micro = fit_with_microbatches(ctx, guarded)
+    finally:
+      if status:
+        status.stop()
+  if micro is not None:
+    found, cost = micro.pp, micro.cost
+    base = "the policy's plan" if micro.base == "policy" else f"the hand schedule {micro.base}"
+    result.update({
+        "schedule": found.strategy, "tactics": [str(t) for t in found.schedule],
+        "cost": _cost_dict(cost, ctx.budget), "answer": found.strategy, "fits": True,
+        "winner": f"{micro.base} with Microbatch({micro.k})", "microbatches": micro.k,
+        "guard": f"{guarded.summary()}; with its batch cut into {micro.k} micro-batches, "
+                 f"{base} fits",
+        "cost_ratio_to_expert": None if guarded.best_hand is None else
+        cost.step_time_s / guarded.best_hand.cost.step_time_s})
+  fits = result["fits"]
+  if args.verify and fits:
     from partitioner.verify import verify
     workload = corpus.load(args.model, abstract=False)
     verification = verify(found, workload.args)
@@ -121,7 +146,7 @@ def run(args) -> int:
     report.write_json(result, args.json)
   if args.json != "-":
     _print(out, result, found, ctx, guarded)
-  if not guarded.fits:
+  if not fits:
     return 1
   return 0 if result.get("verified", True) else 1
 
@@ -131,18 +156,20 @@ def _print(out, result, found, ctx, guarded) -> None:
   out.print(f"[bold]{result['model']}[/bold] on {found.mesh} ({found.mesh.device_count} devices, "
             f"{result['hardware']}), memory budget {h(ctx.budget)} per device; "
             f"{result['decision_points']} decision points, {result['actions']} actions")
-  if guarded.fits:
+  if result["fits"]:
     out.print(f"answer: {result['schedule'] or '(none: unpartitioned)'}")
   else:
     out.print(f"[bold]no plan fits in {h(ctx.budget)} per device[/bold], neither the policy's nor "
               f"a hand schedule's; the closest needs {h(result['cost']['peak_memory_bytes'])}:")
     out.print(f"closest (does not fit): {result['schedule'] or '(none: unpartitioned)'}")
   for r in found.reports:
-    out.print(f"  {r.tactic}: {len(r.targets)} values tiled")
+    out.print(f"  {r.tactic}: " + (f"{len(r.targets)} values tiled" if r.targets or not r.notes
+                                    else r.notes[0]))
   hand, plan = guarded.best_hand, result["policy_plan"]
-  rows = [("answer" if guarded.fits else "closest", result["cost"]["step_time_s"],
-           result["cost"]["peak_memory_bytes"], result["cost"]["within_budget"], guarded.winner)]
-  if not guarded.policy_won:
+  rows = [("answer" if result["fits"] else "closest", result["cost"]["step_time_s"],
+           result["cost"]["peak_memory_bytes"], result["cost"]["within_budget"],
+           result["winner"])]
+  if "microbatches" in result or not guarded.policy_won:
     rows.append(("the policy's plan", plan["step_time_s"], plan["peak_memory_bytes"],
                  plan["within_budget"], plan["schedule"] or "(none)"))
   elif hand is not None:

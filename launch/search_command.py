@@ -159,7 +159,8 @@ def _print(out, result, found, ctx) -> None:
             f"{result['search_time_s']:.2f} s")
   out.print(f"schedule: {result['schedule'] or '(none: unpartitioned)'}")
   for r in found.reports:
-    out.print(f"  {r.tactic}: {len(r.targets)} values tiled")
+    out.print(f"  {r.tactic}: " + (f"{len(r.targets)} values tiled" if r.targets or not r.notes
+                                    else r.notes[0]))
   rows = [("found", result["cost"])]
   if result["expert"]:
     rows.append((f"best expert ({result['expert']['name']})", result["expert"]["cost"]))

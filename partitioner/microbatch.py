@@ -30,8 +30,11 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner import roles as R
-from partitioner.errors import ScheduleError
+from partitioner.errors import ScheduleError, WorkloadError
 from partitioner.ir import SCAN_ENTER, SCAN_EXIT, Program
+from partitioner.mesh import Mesh
+from partitioner.plan import make_plan
+from partitioner.propagation import ShardingState
 
 AXIS = "microbatch"   # the axis of the one-axis mesh that finds the per-example part
 
@@ -93,15 +96,14 @@ def _data(program: Program, k: int) -> tuple[list[int], int]:
 
 
 def _cut(program: Program, k: int) -> tuple[Cut, Program]:
-  from partitioner.mesh import Mesh
-  from partitioner.partition import PartitionedProgram
-  from partitioner.plan import make_plan
-  from partitioner.tactics import BatchParallel
   from partitioner.tracing import retrace
 
   picked, n = _data(program, k)
   values, ops = program.values, program.ops
-  state = PartitionedProgram(program, Mesh({AXIS: k})).apply(BatchParallel(AXIS)).state
+  state = ShardingState(program, Mesh({AXIS: k}))   # data parallelism over the micro-batches
+  for v in picked:
+    state.tile(v, R.batch_dim(program, v), (AXIS,), 0)
+  state.propagate(picked, 0)
   plan = make_plan(state, deferral=False)
   example = [next((d for d, axes in enumerate(state.dims[v.id]) if AXIS in axes), None)
              for v in values]
@@ -153,10 +155,15 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
   # iota) run per micro-batch too, at its size, unless they draw random numbers: those are
   # drawn for the whole batch before the loop, so that each example keeps its own.
   producer = [v.producer for v in values]
-  drawn = np.zeros(len(values), bool)
+  drawn = np.zeros(len(values), bool)   # random numbers and what they are drawn from
   for op in ops:
-    if op.name in _RANDOM or any(drawn[v] for v in op.inputs):
+    if not any(data[v] for v in op.inputs) and (
+        op.name in _RANDOM or any(drawn[v] for v in op.inputs)):
       drawn[list(op.outputs)] = True
+  for op in reversed(ops):
+    if not any(data[v] for v in op.inputs) and (
+        op.name in _RANDOM or any(drawn[v] for v in op.outputs)):
+      drawn[list(op.inputs)] = True
   body = {op.index for op in ops
           if any(example[v] is not None or v in partial for v in op.outputs)
           and (any(data[v] for v in op.inputs) or not any(drawn[v] for v in op.outputs))}
@@ -204,9 +211,13 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     stack.extend(grown - pre)
   post = frozenset(range(len(ops))) - body - pre
 
-  small = retrace(program, {
-      program.input_position(v): _cut_shape(values[v].shape, R.batch_dim(program, v), k)
-      for v in picked})
+  try:
+    small = retrace(program, {
+        program.input_position(v): _cut_shape(values[v].shape, R.batch_dim(program, v), k)
+        for v in picked})
+  except WorkloadError as e:
+    _refuse(k, f"the step does not trace at a micro-batch of {n // k} examples (does it fix the "
+               f"batch size?): {e}")
   _same_structure(program, small, k)
   svals = small.values
 

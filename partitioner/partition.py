@@ -60,7 +60,7 @@ class PartitionedProgram:
     if tactics and isinstance(tactics[0], ProgramRewrite) and not self.schedule:
       start = time.perf_counter()
       program = tactics[0].rewrite(self.program)
-      report = TacticReport(str(tactics[0]), (), 0, (f"{program!r}",),
+      report = TacticReport(str(tactics[0]), (), 0, (tactics[0].describe(program),),
                             time.perf_counter() - start)
       return PartitionedProgram(program, self.mesh, schedule=tactics[:1],
                                 reports=[report]).apply(tactics[1:], solver)

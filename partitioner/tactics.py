@@ -114,6 +114,10 @@ class ProgramRewrite(Tactic):
   def rewrite(self, program):
     """The rewritten program."""
 
+  def describe(self, program) -> str:
+    """What the rewrite made of the program, for the tactic's report."""
+    return repr(program)
+
   def apply(self, ctx):
     raise ScheduleError(f"{self} rewrites the program the other tactics shard: put it first in "
                         f"the schedule (it came after {format_schedule(ctx.schedule)})")
@@ -147,6 +151,10 @@ class Microbatch(ProgramRewrite):
   def rewrite(self, program):
     from partitioner.microbatch import microbatch
     return microbatch(program, self.k)
+
+  def describe(self, program) -> str:
+    return (f"the per-example part runs {self.k} times a step on 1/{self.k} of the batch; the "
+            f"loss and gradients are summed, the update applied once")
 
 
 @register

@@ -66,6 +66,24 @@ def test_where_nothing_fits_propose_says_so_and_fails(capsys):
   assert code == 1 and data["answer"] is None and not data["fits"]
 
 
+def test_where_only_micro_batches_fit_propose_cuts_the_batch(capsys):
+  model, mesh = "gpt:mini,batch=8", "batch=4,model=2"   # logits dominate the activations
+  _, out, _ = run(capsys, "propose", model, "--mesh", mesh, "--memory-budget", "1KiB",
+                  "--json", "-")
+  data = json.loads(out)
+  smallest = min([h["peak_memory_bytes"] for h in data["hand_schedules"] if "step_time_s" in h]
+                 + [data["policy_plan"]["peak_memory_bytes"]])
+  budget = int(smallest * 0.9)   # no whole-batch plan fits
+  code, out, err = run(capsys, "propose", model, "--mesh", mesh, "--memory-budget", str(budget),
+                       "--json", "-")
+  data = json.loads(out)
+  assert code == 0, err
+  assert data["fits"] and data["microbatches"] >= 2
+  assert data["answer"].startswith(f"Microbatch({data['microbatches']}); ")
+  assert data["cost"]["peak_memory_bytes"] <= budget
+  assert "micro-batches" in data["guard"]
+
+
 def test_auto_with_a_policy_refuses_to_apply_a_plan_that_does_not_fit(capsys):
   schedule = f"BatchParallel(batch); Auto(model, policy='{policies.DEFAULT}', memory='1KiB')"
   code, _, err = run(capsys, "partition", "mlp:mini", "--mesh", "batch=4,model=2", "--tactics",

@@ -1,0 +1,128 @@
+"""`Microbatch(k)`: the step's batch cut into k micro-batches run in a loop, the loss and the
+gradients summed across them, the update applied once. Exact against the whole-batch step,
+under both lowerings and composed with other tactics; refused in one line where a step needs a
+statistic of the whole batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.random import threefry_2x32
+
+import corpus
+import partitioner as P
+from partitioner.cost import simulate
+from partitioner.verify import example_inputs, verify
+
+
+def _run(program, args, seed=0):
+  concrete = jax.tree_util.tree_unflatten(program.in_tree, example_inputs(args, seed))
+  return jax.jit(program.evaluate)(*program.flatten_args(concrete))
+
+
+def _mlp_step(per_example=False, normalise_by_mask=False, dropout=False):
+  def step(params, batch):
+    def loss_fn(p):
+      h = jnp.tanh(batch["x"] @ p["w1"])
+      if dropout:   # raw threefry bits: the tracer does not take typed PRNG keys
+        counts = jnp.arange(h.size, dtype=jnp.uint32)
+        bits = threefry_2x32(batch["key"], counts).reshape(h.shape)
+        h = h * (bits < jnp.uint32(2 ** 31))
+      err = jnp.sum((h @ p["w2"] - batch["y"]) ** 2, axis=-1)
+      if normalise_by_mask:
+        return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"]), err
+      return jnp.mean(err), err
+    (loss, err), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    new = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+    return (new, loss, err) if per_example else (new, loss)
+
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params = {"w1": f32(16, 32), "w2": f32(32, 8)}
+  batch = {"x": f32(24, 16), "y": f32(24, 8)}
+  if normalise_by_mask:
+    batch["mask"] = f32(24)
+  if dropout:
+    batch["key"] = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  return step, (params, batch)
+
+
+def test_the_loss_and_gradients_are_those_of_the_whole_batch():
+  step, args = _mlp_step()
+  program = P.trace(step, *args)
+  cut = P.apply(program, "batch=8", "Microbatch(4)").program
+  assert cut.microbatches == 4 and cut.original is program and len(cut.regions) == 1
+  assert cut.regions[0].length == 4
+  for a, b in zip(_run(program, args), _run(cut, args)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_per_example_come_back_in_their_order():
+  step, args = _mlp_step(per_example=True)
+  program = P.trace(step, *args)
+  cut = P.apply(program, "batch=8", "Microbatch(3)").program
+  expected, actual = _run(program, args), _run(cut, args)
+  err = -1   # (new params, loss, per-example errors)
+  assert actual[err].shape == (24,)
+  np.testing.assert_allclose(np.asarray(actual[err]), np.asarray(expected[err]), rtol=1e-5)
+
+
+def test_random_numbers_are_drawn_for_the_whole_batch_so_each_example_keeps_its_own():
+  step, args = _mlp_step(dropout=True)
+  program = P.trace(step, *args)
+  cut = P.apply(program, "batch=8", "Microbatch(2)").program
+  for a, b in zip(_run(program, args), _run(cut, args)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model, schedule", [
+    ("gpt:small", "Microbatch(2); BatchParallel(batch); Megatron(model)"),
+    ("gpt:small,scan=true,layers=2,remat=true",
+     "Microbatch(4); BatchParallel(batch); BatchParallel(model); ZeRO(model, stage=3)"),
+    ("hf_gpt2:small", "Microbatch(2); BatchParallel(batch); Megatron(model)"),
+    ("hf_gpt2:small", "Microbatch(4); BatchParallel(batch); ZeRO(batch, stage=2)"),
+])
+def test_microbatches_verify_under_both_lowerings_with_other_tactics(model, schedule):
+  workload = corpus.load(model)
+  pp = P.apply(P.trace(workload.fn, *workload.args), "batch=2,model=4", schedule)
+  assert pp.program.microbatches == int(schedule[len("Microbatch("):schedule.index(")")])
+  result = verify(pp, workload.args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_activations_shrink_and_the_gradients_are_reduced_once_after_the_loop():
+  workload = corpus.load("gpt:mini,batch=32", abstract=True)
+  program = P.trace(workload.fn, *workload.args)
+  peaks, reduced = [], []
+  for k in (1, 2, 4):
+    schedule = ("" if k == 1 else f"Microbatch({k}); ") + "BatchParallel(batch)"
+    pp = P.apply(program, "batch=8", schedule)
+    peaks.append(simulate(pp, "h100").peak_memory_bytes)
+    repeat = pp.program.op_repeat
+    grads = [c for c in pp.collectives if c.kind == "all-reduce" and c.bytes > 1024]
+    assert grads and all(repeat[c.op] == 1 for c in grads)   # once per step, not per micro-batch
+    reduced.append(sum(c.bytes for c in grads))
+  assert peaks[0] > peaks[1] > peaks[2]
+  assert reduced[0] == reduced[1] == reduced[2]
+
+
+def test_a_statistic_of_the_whole_batch_is_refused():
+  step, args = _mlp_step(normalise_by_mask=True)
+  with pytest.raises(P.ScheduleError, match="a sum over the whole batch"):
+    P.apply(P.trace(step, *args), "batch=8", "Microbatch(2)")
+
+
+def test_bad_micro_batch_counts_and_places_are_refused():
+  step, args = _mlp_step()
+  program = P.trace(step, *args)
+  with pytest.raises(P.ScheduleError, match="a batch of 24 does not divide into 5"):
+    P.apply(program, "batch=8", "Microbatch(5)")
+  with pytest.raises(P.ScheduleError, match="put it first"):
+    P.apply(program, "batch=8", "BatchParallel(batch); Microbatch(2)")
+  with pytest.raises(P.ScheduleError, match="positive"):
+    P.apply(program, "batch=8", "Microbatch(0)")
+  twice = P.apply(program, "batch=8", "Microbatch(2)").program
+  with pytest.raises(P.ScheduleError, match="already"):
+    P.apply(twice, "batch=8", "Microbatch(2)")
+  program.source = None   # not traced from a function: nothing to trace again
+  with pytest.raises(P.WorkloadError, match="not traced from a function"):
+    P.apply(program, "batch=8", "Microbatch(2)")
