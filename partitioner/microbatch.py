@@ -80,6 +80,9 @@ def microbatch(program: Program, k: int) -> Program:
     return program
   if program.original is not None:
     _refuse(k, "the program is cut into micro-batches already")
+  if program.source is None:
+    _refuse(k, "the program was not traced from a function (partitioner.trace), so it cannot "
+               "be traced again at a micro-batch's size")
   cut, small = _cut(program, k)
   return _emit(program, small, cut, k)
 

@@ -124,5 +124,5 @@ def test_bad_micro_batch_counts_and_places_are_refused():
   with pytest.raises(P.ScheduleError, match="already"):
     P.apply(twice, "batch=8", "Microbatch(2)")
   program.source = None   # not traced from a function: nothing to trace again
-  with pytest.raises(P.WorkloadError, match="not traced from a function"):
+  with pytest.raises(P.ScheduleError, match="not traced from a function"):
     P.apply(program, "batch=8", "Microbatch(2)")
