@@ -18,9 +18,10 @@ by the whole batch.
 
 A micro-batch takes every k-th example (rows i, i+k, i+2k...). Cutting a batch that is split
 over devices along its leading dimension then moves no data. Outputs per example come back in
-their order. A step that needs a statistic of the whole batch before its gradients (a
-batch-norm mean, or a loss divided by the batch's token count) cannot be cut so; it is
-refused in one line.
+their order. A total of the data alone (the token count a loss is divided by) is computed from
+the whole batch before the loop. A step that needs a statistic of the whole batch that depends
+on the model before its gradients (a batch-norm mean, a mixture of experts' load-balancing
+loss) cannot be cut so; it is refused in one line.
 """
 
 from __future__ import annotations
@@ -111,45 +112,28 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
   example = [next((d for d, axes in enumerate(state.dims[v.id]) if AXIS in axes), None)
              for v in values]
 
-  # Values that depend on the data (loop carries: until nothing changes).
-  data = np.zeros(len(values), bool)
-  data[list(picked)] = True
-  changed = True
-  while changed:
-    changed = False
-    for op in ops:
-      if any(data[v] for v in op.inputs) and not all(data[v] for v in op.outputs):
-        data[list(op.outputs)] = True
-        changed = True
-      if op.primitive is SCAN_EXIT:   # a carry that becomes data-dependent is so all around
-        n_carry = op.params["num_carry"]
-        enter = ops[_enter_of(program, op.index)]
-        for j in range(n_carry):
-          if data[op.inputs[j]] and not data[enter.outputs[j]]:
-            data[enter.outputs[j]] = True
-            changed = True
+  # Values that depend on the data. A total of the data alone (the number of tokens a loss is
+  # divided by) is computed before the loop, from the whole batch, like any constant of it.
+  data = _depends(program, picked)
+  model = _depends(program, [v for v in program.inputs if v not in set(picked)])
+  data &= model | np.array([e is not None for e in example])
 
-  # Partial sums over the batch: made by a reduction over it, or linear in such a sum.
-  zero: set[int] = {v.id for v in values if v.is_const and not np.any(np.asarray(v.const))}
-  partial: dict[int, str] = {}
-  nonlinear: set[int] = set()   # ops that read a partial sum and are not linear in it
-  for op in ops:
-    ins = op.inputs
-    if not any(data[v] for v in ins):
-      if op.name in _KEEP_ZERO and ins and ins[0] in zero:
-        zero.update(op.outputs)
-      continue
-    made = [r.reduce if AXIS in r.partial else None for r in plan.ops[op.index].result]
-    if any(made):
-      partial.update((v, kind) for v, kind in zip(op.outputs, made) if kind)
-      continue
-    if not any(v in partial for v in ins):
-      continue
-    kinds = _linear(op, partial, zero, data)
-    if kinds is None:
-      nonlinear.add(op.index)
-    else:
-      partial.update((v, kind) for v, kind in zip(op.outputs, kinds) if kind)
+  # Partial sums over the batch: made by a reduction over it, or linear in such a sum. A loop
+  # carry that starts at zeros is taken to be zero or a partial sum as what comes back to it
+  # is (the gradient of a weight a recurrence reads at every step), until that holds.
+  consts = {v.id for v in values if v.is_const and not np.any(np.asarray(v.const))}
+  carries = []   # (carry in the body, what comes back to it, its initial value)
+  for r in program.regions:
+    enter, exit_ = ops[r.enter], ops[r.exit]
+    carries += [(enter.outputs[j], exit_.inputs[j], enter.inputs[j]) for j in range(r.num_carry)]
+  seeds, assumed = {}, {c for c, _, _ in carries}
+  for _ in range(16):
+    partial, nonlinear, zero = _partials(program, plan, data, consts | assumed, seeds)
+    grown = {c: partial[back] for c, back, init in carries if back in partial and init in zero}
+    kept = {c for c, back, init in carries if back in zero and init in zero and c not in grown}
+    if grown == seeds and kept == assumed:
+      break
+    seeds, assumed = grown, kept
 
   # The ops run per micro-batch: those that read the data and make something split over the
   # batch or partial over it; whole loops that hold one; then every op reading what they make
@@ -186,11 +170,25 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     if i in nonlinear:
       v = next(v for v in op.inputs if v in partial)
       _refuse(k, f"op #{i} ({op.name}) needs {describe(v)}, a sum over the whole batch, "
-                 "before the step's per-example work is done (a batch statistic, or a loss "
-                 "divided by a count over the batch): micro-batches cannot be computed apart")
+                 "before the step's per-example work is done (a batch statistic: a batch-norm "
+                 "mean, a load-balancing loss of batch means): micro-batches cannot be computed "
+                 "apart")
     if op.name in _RANDOM:
       _refuse(k, f"op #{i} ({op.name}) draws random numbers inside the per-example part; they "
                  "would repeat in every micro-batch")
+
+  # Constants the loop alone reads (zeros a scatter adds into, an iota) are made in it, where
+  # XLA fuses them into their readers, rather than kept in buffers across the loop.
+  made_of_constants = np.array([v.is_const for v in values])
+  for op in ops:
+    if (op.inputs and all(made_of_constants[v] for v in op.inputs) and op.name not in _RANDOM
+        and program.region_of[op.index] < 0 and op.primitive not in (SCAN_ENTER, SCAN_EXIT)):
+      made_of_constants[list(op.outputs)] = True
+  users = program.users
+  for op in reversed(ops):
+    if (op.index not in body and all(made_of_constants[v] for v in op.outputs)
+        and all(u in body for v in op.outputs for u in users[v]) and program.users[op.outputs[0]]):
+      body.add(op.index)
 
   # What the loop needs from outside is made before it.
   pre: set[int] = set()
@@ -263,6 +261,55 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
   return cut, small
 
 
+def _depends(program: Program, sources) -> np.ndarray:
+  """Per value, whether it is computed from one of `sources` (a loop carry that becomes so in
+  the body is so all around the loop)."""
+  ops = program.ops
+  out = np.zeros(len(program.values), bool)
+  out[list(sources)] = True
+  enters = {ops[r.exit].params["region"]: ops[r.enter] for r in program.regions}
+  changed = True
+  while changed:
+    changed = False
+    for op in ops:
+      if any(out[v] for v in op.inputs) and not all(out[v] for v in op.outputs):
+        out[list(op.outputs)] = True
+        changed = True
+      if op.primitive is SCAN_EXIT:
+        enter = enters[op.params["region"]]
+        for j in range(op.params["num_carry"]):
+          if out[op.inputs[j]] and not out[enter.outputs[j]]:
+            out[enter.outputs[j]] = True
+            changed = True
+  return out
+
+
+def _partials(program: Program, plan, data, zero: set, seeds: dict) -> tuple[dict, set, set]:
+  """Values that are partial sums over the micro-batch axis (value -> how they combine), the
+  ops that read one without being linear in it, and the values that are all zero (from
+  `zero`, and `seeds` taken as partial sums)."""
+  partial, zero = dict(seeds), set(zero)
+  nonlinear: set[int] = set()
+  for op in program.ops:
+    ins = op.inputs
+    if not any(data[v] for v in op.outputs):   # a constant, or a total of the data alone
+      if op.name in _KEEP_ZERO and ins and ins[0] in zero:
+        zero.update(op.outputs)
+      continue
+    made = [r.reduce if AXIS in r.partial else None for r in plan.ops[op.index].result]
+    if any(made):
+      partial.update((v, kind) for v, kind in zip(op.outputs, made) if kind)
+      continue
+    if not any(v in partial for v in ins):
+      continue
+    kinds = _linear(op, partial, zero, data)
+    if kinds is None:
+      nonlinear.add(op.index)
+    else:
+      partial.update((v, kind) for v, kind in zip(op.outputs, kinds) if kind)
+  return partial, nonlinear, zero
+
+
 def _linear(op, partial, zero, data) -> list | None:
   """Per result, how the op's result is a partial sum (its combining kind, or None) if the op
   is linear in the partial sums it reads; None if it is not."""
@@ -294,12 +341,6 @@ def _linear(op, partial, zero, data) -> list | None:
   else:
     ok = False
   return [kind] * len(op.outputs) if ok else None
-
-
-def _enter_of(program: Program, exit_index: int) -> int:
-  region = program.ops[exit_index].params["region"]
-  return next(r.enter for r in program.regions
-              if program.ops[r.enter].params["region"] == region)
 
 
 def _close_regions(program: Program, chosen: set) -> None:
@@ -363,9 +404,15 @@ def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
         senv[v] = x
       for (v, _), x in zip(split, slices):
         senv[v] = x
-      small.run(senv, only=cut.body)
-      new = [_combine(kind, c, senv[v].astype(c.dtype)) for (v, kind), c in zip(summed, carry)]
-      return new, [senv[v] for v, _ in stacked]
+      sums = dict(zip(cut.summed, carry))
+
+      def added(vid, x):   # a sum joins its carry as soon as it is made, and is dropped
+        if vid in sums:
+          sums[vid] = _combine(cut.summed[vid], sums[vid], x.astype(sums[vid].dtype))
+        return x
+
+      small.run(senv, only=cut.body, on_result=added)
+      return [sums[v] for v in cut.summed], [senv[v] for v, _ in stacked]
 
     carry, ys = lax.scan(iteration, init, xs, length=k)
     for (v, _), c in zip(summed, carry):

@@ -56,7 +56,7 @@ class ProgramLiveness:
     self.n_ops = n_ops
     birth = np.full(len(program.values), -1, np.int64)
     death = np.full(len(program.values), -2, np.int64)  # -2: never a buffer
-    users = program.users
+    users, values = program.users, program.values
     for v in program.values:
       if v.producer is not None and not work.internal[v.id] and not v.is_const:
         birth[v.id] = v.producer   # read until the last kernel that computes a reader
@@ -74,6 +74,21 @@ class ProgramLiveness:
         for v in op.inputs:
           if death[v] >= -1:
             death[v] = max(death[v], program.hoist(op.index, program.values[v].producer)[1])
+    for region in program.regions:
+      # A carry keeps one buffer all around its loop, as XLA's while loops do: the exit op
+      # reads the carry the enter op made only to keep its layout, and the final carry is the
+      # last iteration's, in the buffer that iteration wrote it to.
+      enter, exit_ = program.ops[region.enter], program.ops[region.exit]
+      for j in range(region.num_carry):
+        inner, back, final = enter.outputs[j], exit_.inputs[j], exit_.outputs[j]
+        if back == inner or death[inner] < -1:
+          continue
+        death[inner] = max((int(work.last_run[u]) for u in users[inner] if u != region.exit),
+                           default=region.enter)
+        made = values[back].producer
+        if (made is not None and region.enter < made < region.exit and death[back] >= -1
+            and death[final] >= -1 and final not in program.outputs):
+          death[back], death[final] = max(death[back], death[final]), -2
     for v in program.inputs:
       birth[v], death[v] = -1, n_ops
     aliased_outputs = {program.outputs[o] for o in program.aliases}

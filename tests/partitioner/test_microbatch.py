@@ -20,10 +20,12 @@ def _run(program, args, seed=0):
   return jax.jit(program.evaluate)(*program.flatten_args(concrete))
 
 
-def _mlp_step(per_example=False, normalise_by_mask=False, dropout=False):
+def _mlp_step(per_example=False, normalise_by_mask=False, dropout=False, batch_norm=False):
   def step(params, batch):
     def loss_fn(p):
       h = jnp.tanh(batch["x"] @ p["w1"])
+      if batch_norm:
+        h = h - jnp.mean(h, axis=0)
       if dropout:   # raw threefry bits: the tracer does not take typed PRNG keys
         counts = jnp.arange(h.size, dtype=jnp.uint32)
         bits = threefry_2x32(batch["key"], counts).reshape(h.shape)
@@ -105,9 +107,17 @@ def test_activations_shrink_and_the_gradients_are_reduced_once_after_the_loop():
   assert reduced[0] == reduced[1] == reduced[2]
 
 
-def test_a_statistic_of_the_whole_batch_is_refused():
+def test_a_loss_divided_by_a_count_over_the_batch_divides_by_the_whole_batch_count():
   step, args = _mlp_step(normalise_by_mask=True)
-  with pytest.raises(P.ScheduleError, match="a sum over the whole batch"):
+  program = P.trace(step, *args)
+  cut = P.apply(program, "batch=8", "Microbatch(2)").program
+  for a, b in zip(_run(program, args), _run(cut, args)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_a_statistic_of_the_whole_batch_that_depends_on_the_model_is_refused():
+  step, args = _mlp_step(batch_norm=True)
+  with pytest.raises(P.ScheduleError, match="a sum over the whole batch.*batch statistic"):
     P.apply(P.trace(step, *args), "batch=8", "Microbatch(2)")
 
 
