@@ -9,9 +9,9 @@ them takes seconds, the environment's cache of states shared with the policy's o
 schedules from the same start, and play the best by the one rule (`corpus.experts.preference`):
 what fits before what does not, then the fastest. The policy wins ties.
 
-Where nothing fits, `fit_with_microbatches` cuts the batch of the fastest plans into
+`fit_with_microbatches` then cuts the batch of the fastest plans that do not fit into
 micro-batches (`partitioner.Microbatch`), which shrinks activations and leaves the rest of a
-plan as it is, until one fits.
+plan as it is: where nothing fits, or where a plan faster than the answer fits so.
 """
 
 from __future__ import annotations
@@ -102,20 +102,25 @@ class Microbatched(NamedTuple):
   cost: object       # its CostReport
 
 
-def fit_with_microbatches(ctx, guarded: Guarded, plans: int = 3,
-                          largest: int = 64) -> Microbatched | None:
-  """Where no plan fits: the `plans` fastest (the policy's and the hand schedules) again with
-  the batch cut into 2, 4, 8... micro-batches, up to `largest`; the first that fits, from the
-  fastest plan that can. None where none does."""
+def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float = float("inf"),
+                          plans: int = 3, largest: int = 64) -> Microbatched | None:
+  """The plans that do not fit and are faster than `faster_than` (the policy's and the hand
+  schedules; the `plans` fastest), again with the batch cut into 2, 4, 8... micro-batches, up
+  to `largest`, each with the fewest that fit: the fastest of those that fit and beat
+  `faster_than`. None where none does."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
   from partitioner.tactics import Microbatch, parse_schedule
   from environments.tasks import load_program
-  candidates = [("policy", guarded.policy_schedule, guarded.policy_step_s)] + [
-      (h.name, h.schedule, h.cost.step_time_s) for h in guarded.hand if h.cost is not None]
-  candidates.sort(key=lambda c: c[2])
+  candidates = [("policy", guarded.policy_schedule, guarded.policy_step_s,
+                 guarded.policy_fits)] + [
+      (h.name, h.schedule, h.cost.step_time_s, h.fits) for h in guarded.hand
+      if h.cost is not None]
+  candidates = sorted((c for c in candidates if not c[3] and c[2] < faster_than),
+                      key=lambda c: c[2])
   program = load_program(ctx.task.model)
-  for name, schedule, _ in candidates[:plans]:
+  best = None
+  for name, schedule, _, _ in candidates[:plans]:
     tactics = parse_schedule(schedule)
     k = 2
     while k <= largest:
@@ -125,6 +130,9 @@ def fit_with_microbatches(ctx, guarded: Guarded, plans: int = 3,
         break
       cost = simulate(pp, ctx.task.hardware)
       if cost.peak_memory_bytes <= ctx.budget:
-        return Microbatched(k, name, pp, cost)
+        if cost.step_time_s < faster_than and (
+            best is None or cost.step_time_s < best.cost.step_time_s):
+          best = Microbatched(k, name, pp, cost)
+        break
       k *= 2
-  return None
+  return best
