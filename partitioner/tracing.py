@@ -40,6 +40,16 @@ _INLINE = {
     "named_call": ("call_jaxpr",),
 }
 
+# `jax.random` primitives on typed keys (`Builder.emit_key_op`).
+_KEY_OPS = frozenset({"random_wrap", "random_unwrap", "random_bits", "random_split",
+                      "random_fold_in", "random_seed"})
+
+
+def _is_key(aval) -> bool:
+  dtype = getattr(aval, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 # Under loops="auto", scans of at most this many iterations, and this many equations once
 # unrolled (length x body), are unrolled; the others are kept as loops.
 UNROLL_LENGTH = 4
@@ -154,6 +164,27 @@ class _Builder:
         self.values[v].producer = new_index
     self.ops = keep
 
+  def emit_key_op(self, eqn, ins: list[int]) -> list[int]:
+    """A `jax.random` primitive on typed keys, emitted as threefry on the keys' raw uint32
+    data (`jax.random.key_data`), which is what typed keys are in the IR."""
+    from jax.extend.random import threefry_prng_impl as impl
+    name, p = eqn.primitive.name, eqn.params
+    if "impl" in p and getattr(p["impl"], "name", None) != impl.name:
+      raise WorkloadError(f"{name} with the {getattr(p['impl'], 'name', p['impl'])} PRNG: only "
+                          "threefry keys (JAX's default) are supported")
+    if name in ("random_wrap", "random_unwrap"):
+      return [ins[0]]
+    vals = [self.values[i] for i in ins]
+    keys = len(vals[0].shape) - (0 if name == "random_seed" else len(impl.key_shape))
+    fn = {"random_bits": lambda k: impl.random_bits(k, p["bit_width"], p["shape"]),
+          "random_split": lambda k: impl.split(k, p["shape"]),
+          "random_fold_in": impl.fold_in,
+          "random_seed": impl.seed}[name]
+    for _ in range(keys):   # an array of keys: each key on its own
+      fn = jax.vmap(fn, in_axes=[0 if len(v.shape) > keys - 1 else None for v in vals])
+    closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in vals))
+    return self.emit(closed.jaxpr, closed.consts, ins)
+
   def new_value(self, aval, name=None, producer=None, const=None) -> int:
     vid = len(self.values)
     self.values.append(Value(vid, aval.shape, aval.dtype, name, producer, const))
@@ -178,6 +209,14 @@ class _Builder:
     for eqn in jaxpr.eqns:
       ins = [read(a) for a in eqn.invars]
       name = eqn.primitive.name
+      if name in _KEY_OPS:
+        for var, vid in zip(eqn.outvars, self.emit_key_op(eqn, ins)):
+          if not isinstance(var, core.DropVar):
+            env[var] = vid
+        continue
+      if name not in _INLINE and any(_is_key(v.aval) for v in (*eqn.invars, *eqn.outvars)):
+        raise WorkloadError(f"{name} of a typed PRNG key is not supported: keep keys as raw "
+                            "uint32 data (jax.random.key_data) outside jax.random's calls")
       body_keys = _INLINE.get(name)
       body = None
       if body_keys is not None:
@@ -375,6 +414,12 @@ def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None,
   leaves = [x for _, x in leaves_with_paths]
   dynamic = [i for i, x in enumerate(leaves) if is_array(x)]
   static = {i: x for i, x in enumerate(leaves) if not is_array(x)}
+  for i in dynamic:
+    if _is_key(leaves[i]):
+      path = leaves_with_paths[i][0]
+      where = names[path[0].idx] + ("/" + path_name(path[1:]) if path[1:] else "")
+      raise WorkloadError(f"argument {where} is a typed PRNG key: pass its raw data, "
+                          "jax.random.key_data(key)")
 
   def flat_fn(*inputs):
     full = list(leaves)

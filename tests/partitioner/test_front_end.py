@@ -104,6 +104,33 @@ def _suffixes(program, ids):
 
 
 @pytest.mark.slow
+def test_jax_random_inside_the_step_traces_exactly_and_partitions():
+  """Dropout with `jax.random` (typed keys between its calls): the keys are threefry on their
+  raw uint32 data in the IR, bit for bit what JAX draws; the step verifies partitioned."""
+  def step(params, batch):
+    def loss(p):
+      k1, k2 = jax.random.split(batch["key"])
+      h = jnp.tanh(batch["x"] @ p["w"])
+      h = h * jax.random.bernoulli(jax.random.fold_in(k1, 7), 0.9, h.shape) / 0.9
+      noise = jax.vmap(lambda k: jax.random.normal(k, (4,)))(jax.random.split(k2, 8))
+      return jnp.mean((h - noise) ** 2)
+    value, grads = jax.value_and_grad(loss)(params)
+    return {"w": params["w"] - 0.1 * grads["w"]}, value
+
+  params = {"w": jnp.full((4, 4), 0.1)}
+  batch = {"x": jnp.ones((8, 4)), "key": jax.random.key_data(jax.random.key(3))}
+  program = P.trace(step, params, batch)
+  for a, b in zip(jax.tree_util.tree_leaves(step(params, batch)),
+                  jax.tree_util.tree_leaves(program(params, batch))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                  (params, batch))
+  result = verify(P.apply(program, "batch=8", "BatchParallel(batch)"), shapes)
+  assert result.ok, result
+  with pytest.raises(P.WorkloadError, match="batch/key is a typed PRNG key.*key_data"):
+    P.trace(step, params, {**batch, "key": jax.random.key(3)})
+
+
 def test_three_spellings_of_one_step_get_the_same_roles_points_and_costs():
   from environments.actions import decision_points
   from partitioner.cost import simulate
