@@ -10,6 +10,8 @@ name is found by what the running JAX has, not by its version number:
 - `shard_map` moved from `jax.experimental.shard_map` to `jax.shard_map`, and its
   `check_rep` became `check_vma`.
 - `enable_x64` moved from `jax.experimental` to a `jax.enable_x64(True)` context.
+- The threefry PRNG's functions on raw key data live in `jax.extend.random` on both
+  (`threefry`: what the tracer writes typed keys' random primitives as).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import jax.extend.core as _core
 from jax.core import ShapedArray, Tracer, eval_jaxpr  # noqa: F401 (re-exported)
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Primitive, Var  # noqa: F401
+from jax.extend.random import threefry_prng_impl as threefry  # noqa: F401
 
 DropVar = getattr(_core, "DropVar", None) or jax.core.DropVar
 

@@ -66,7 +66,6 @@ class Cut(NamedTuple):
   split: dict
   summed: dict
   stacked: dict
-  batch: int
 
 
 def _refuse(k: int, why: str):
@@ -134,13 +133,15 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     if grown == seeds and kept == assumed:
       break
     seeds, assumed = grown, kept
+  else:   # no consistent assumption: assume nothing of the carries (a refusal, never a mistake)
+    partial, nonlinear, zero = _partials(program, plan, data, consts, {})
 
   # The ops run per micro-batch: those that read the data and make something split over the
-  # batch or partial over it; whole loops that hold one; then every op reading what they make
-  # that is neither (it exists only inside the loop).
-  # Ops that make something of the batch's size without reading the data (a broadcast, an
-  # iota) run per micro-batch too, at its size, unless they draw random numbers: those are
-  # drawn for the whole batch before the loop, so that each example keeps its own.
+  # batch or partial over it, and those that make something of the batch's size without
+  # reading the data (a broadcast, an iota) unless they draw random numbers (those are drawn
+  # for the whole batch before the loop, so that each example keeps its own); whole loops
+  # that hold one; then every op reading what they make that is neither (it exists only
+  # inside the loop).
   producer = [v.producer for v in values]
   drawn = np.zeros(len(values), bool)   # random numbers and what they are drawn from
   for op in ops:
@@ -164,7 +165,7 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     if len(body) == before:
       break
 
-  describe = lambda v: program.name(v)
+  describe = program.name
   for i in sorted(body):
     op = ops[i]
     if i in nonlinear:
@@ -187,7 +188,7 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
   users = program.users
   for op in reversed(ops):
     if (op.index not in body and all(made_of_constants[v] for v in op.outputs)
-        and all(u in body for v in op.outputs for u in users[v]) and program.users[op.outputs[0]]):
+        and users[op.outputs[0]] and all(u in body for v in op.outputs for u in users[v])):
       body.add(op.index)
 
   # What the loop needs from outside is made before it.
@@ -257,7 +258,7 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     else:
       _refuse(k, f"{describe(v)} is made per micro-batch but is neither per example nor a sum "
                  "over the batch")
-  cut = Cut(frozenset(body), frozenset(pre), post, tuple(invariant), split, summed, stacked, n)
+  cut = Cut(frozenset(body), frozenset(pre), post, tuple(invariant), split, summed, stacked)
   return cut, small
 
 

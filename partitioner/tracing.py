@@ -167,7 +167,7 @@ class _Builder:
   def emit_key_op(self, eqn, ins: list[int]) -> list[int]:
     """A `jax.random` primitive on typed keys, emitted as threefry on the keys' raw uint32
     data (`jax.random.key_data`), which is what typed keys are in the IR."""
-    from jax.extend.random import threefry_prng_impl as impl
+    impl = core.threefry
     name, p = eqn.primitive.name, eqn.params
     if "impl" in p and getattr(p["impl"], "name", None) != impl.name:
       raise WorkloadError(f"{name} with the {getattr(p['impl'], 'name', p['impl'])} PRNG: only "
