@@ -32,6 +32,8 @@ Tactics (separated by ';'):
   Auto(AXES[, agent=greedy|beam|mcts|random, budget=N, policy=RUN_DIR, hardware=HW,
        memory=BYTES])            let a search agent or a trained policy ('shardzero train'
                                  run) choose tactics over AXES (model, batch+model)
+  Microbatch(K)                  gradient accumulation: the batch cut into K micro-batches
+                                 run in a loop (first in the schedule; activations shrink)
 """
 
 EXAMPLES = """\
@@ -41,6 +43,8 @@ examples:
   shardzero partition mlp:small --mesh batch=8 --tactics "ZeRO(batch, stage=3)" --json -
   shardzero partition t5:mini --mesh batch=4,model=2 \\
       --tactics "BatchParallel(batch); Auto(model, agent=mcts, budget=50)"
+  shardzero partition gpt:mini --mesh batch=2,model=4 \\
+      --tactics "Microbatch(4); BatchParallel(batch); Megatron(model)"
 """
 
 
