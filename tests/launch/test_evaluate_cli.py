@@ -175,3 +175,28 @@ def test_a_user_model_gets_the_generic_hand_schedules_as_its_expert(capsys, tmp_
   assert all("error" not in r for r in rows.values())
   assert rows["expert"]["schedule"] in corpus.experts(None, ("batch",)).values()
   assert min(r["ratio"] for r in rows.values()) == 1.0
+
+
+@pytest.mark.slow   # three plans costed with micro-batches: the pinned lane runs it
+def test_the_guarded_policy_answers_as_propose_does_with_micro_batches(capsys, tmp_path):
+  """Where no whole-batch plan fits, `policy+guard` is scored on the plan `propose` answers:
+  one that fits once its batch is cut into micro-batches."""
+  import policies
+  model, mesh = "gpt:mini,batch=8", "batch=4,model=2"
+  code, out, _ = run(capsys, "propose", model, "--mesh", mesh, "--memory-budget", "1KiB",
+                     "--json", "-")
+  proposed = json.loads(out)
+  smallest = min([h["peak_memory_bytes"] for h in proposed["hand_schedules"]
+                  if "step_time_s" in h] + [proposed["policy_plan"]["peak_memory_bytes"]])
+  budget = str(int(smallest * 0.9))
+  code, out, _ = run(capsys, "propose", model, "--mesh", mesh, "--memory-budget", budget,
+                     "--json", "-")
+  proposed = json.loads(out)
+  code, data, err = _evaluate(capsys, "--models", model, "--meshes", mesh, "--memory-budget",
+                              budget, "--agents", f"policy+guard:{policies.DEFAULT}",
+                              "--store", str(tmp_path / "r.jsonl"))
+  assert code == 0, err
+  (row,) = data["results"]
+  assert row["fits"] and row["microbatched"]["k"] == proposed["microbatches"]
+  assert row["schedule"] == proposed["answer"]
+  assert row["step_time_s"] == pytest.approx(proposed["cost"]["step_time_s"])
