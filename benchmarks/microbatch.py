@@ -6,7 +6,12 @@ the whole-batch step (or the one-line reason it is refused), and the predicted p
 device (h100) with and without micro-batches. Prints a table and writes
 benchmarks/results/microbatch.json.
 
+With --published: Megatron-LM's 18.4B (Table 1: t=8, d=32, batch 1024; `published.py`'s
+step, 40 scanned layers) with 1, 4, 8 and 32 micro-batches on a100-80gb: predicted TFLOP/s per
+GPU, peak memory, and where the data-parallel all-reduces run.
+
   python benchmarks/microbatch.py            # about 3 minutes on 2 cores
+  python benchmarks/microbatch.py --published   # about 10 seconds
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
     "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import corpus  # noqa: E402
 import partitioner as P  # noqa: E402
@@ -51,6 +57,25 @@ def row(family: str, k: int) -> dict:
           "max_abs_err": result.max_abs_err}
 
 
+def published_rows(ks=(1, 4, 8, 32)) -> list[dict]:
+  import published
+  run = next(r for r in published.RUNS if r.params == "18.4B")
+  program = published.traced(run.layers, run.hidden, run.heads, run.batch)
+  mesh, tactics = published.schedule(run)
+  rows = []
+  for k in ks:
+    pp = P.apply(program, mesh, (f"Microbatch({k}); " if k > 1 else "") + tactics)
+    cost = simulate(pp, "a100-80gb")
+    repeat = pp.program.op_repeat
+    data = [c for c in pp.collectives if c.axes == ("data",)]
+    rows.append({"k": k, "tflops": published.model_flops(run) / (cost.step_time_s * run.gpus)
+                 / 1e12, "published_tflops": run.published,
+                 "peak_gib": cost.peak_memory_bytes / 2**30,
+                 "exposed_comm_s": cost.exposed_comm_s,
+                 "data_all_reduces_per_step": int(sum(repeat[c.op] for c in data))})
+  return rows
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,7 +83,16 @@ def main(argv=None) -> int:
                       help="comma-separated corpus families; default: all")
   parser.add_argument("--k", type=int, default=2, help="micro-batches; default 2")
   parser.add_argument("--json", default=str(ROOT / "benchmarks/results/microbatch.json"))
+  parser.add_argument("--published", action="store_true",
+                      help="Megatron-LM's 18.4B with micro-batches instead of the corpus")
   args = parser.parse_args(argv)
+  if args.published:
+    print(f"{'k':>3s} {'TFLOP/s':>8s} {'published':>9s} {'peak GiB':>8s} {'exposed s':>9s} "
+          f"{'dp all-reduces':>14s}")
+    for r in published_rows():
+      print(f"{r['k']:3d} {r['tflops']:8.0f} {r['published_tflops']:9.0f} {r['peak_gib']:8.1f} "
+            f"{r['exposed_comm_s']:9.2f} {r['data_all_reduces_per_step']:14d}")
+    return 0
   rows = []
   families = args.families.split(",")
   for i, family in enumerate(families):
