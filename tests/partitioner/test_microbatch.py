@@ -141,3 +141,17 @@ def test_bad_micro_batch_counts_and_places_are_refused():
   program.source = None   # not traced from a function: nothing to trace again
   with pytest.raises(P.ScheduleError, match="not traced from a function"):
     P.apply(program, "batch=8", "Microbatch(2)")
+
+
+@pytest.mark.parametrize("loops", ["unroll", "keep"])
+def test_a_step_that_accumulates_micro_batches_itself_is_cut_along_the_batch_not_its_loop(loops):
+  """Micro-batches stacked for the user's own `lax.scan` (batch dimension 1): cut again, along
+  that dimension, and still exact under data parallelism; kept as a loop, the user's scan sums
+  its gradients into carries that start at zeros, inside the new loop."""
+  from tests.partitioner import user_models
+  fn, args = user_models.microbatched_mlp(accum=4, batch=16)
+  pp = P.apply(P.trace(fn, *args, loops=loops), "batch=4", "Microbatch(2); BatchParallel(batch)")
+  assert pp.program.microbatches == 2
+  assert len(pp.program.regions) == (2 if loops == "keep" else 1)
+  result = verify(pp, args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
