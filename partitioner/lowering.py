@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from partitioner import collectives as C
 from partitioner.compat import shard_map
-from partitioner.ir import SCAN_ENTER, bind, run_loop, walk
+from partitioner.ir import SCAN_ENTER, SCAN_EXIT, bind, run_loop, walk
 from partitioner.rules import LOCAL_RULES
 from partitioner.sharding import Sharding, local_shape
 
@@ -228,8 +228,13 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
   reduced = ({program.ops[j].outputs[0] for j in held.ops} - set(held.values) |
              {program.ops[i].outputs[k] for i, ks in held.carries.items() for k in ks})
   summands = {vid: math.prod(pp.mesh.sizes[a] for a in axes) for vid, axes in held.zeros.items()}
+  # A loop stacks a held value's summands inside each iteration's slice: put them first.
+  stacked = {vid for op in program.ops if op.primitive is SCAN_EXIT
+             for vid in op.outputs[op.params["num_carry"]:] if vid in held.values}
 
   def constrain(vid, x):
+    if vid in stacked:
+      x = jnp.moveaxis(x, 1, 0)
     if vid in reduced:
       x = x.sum(0)
     elif vid in summands:

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner.collectives import ALL_REDUCE, reshard_steps, result_writes
-from partitioner.ir import per_program
+from partitioner.ir import SCAN_EXIT, per_program
 from partitioner.sharding import Axes, Sharding, local_shape
 
 # Linear in every operand: each must be held partial over the same axes.
@@ -61,6 +61,7 @@ class _Tree(NamedTuple):
   bytes: int               # per device bytes of this value
   held: tuple              # values of the tree below this one
   ops: tuple               # ops of the tree that read held values
+  stacked: tuple = ()      # (value, tree) where it passed out of a loop as a stacked output
 
 
 def _keeps_partial(op, values) -> bool:
@@ -75,6 +76,10 @@ def _keeps_partial(op, values) -> bool:
     a, b = values[op.inputs[0]].dtype, values[op.outputs[0]].dtype
     return a.kind == b.kind == "f" and a.itemsize == b.itemsize
   return True
+
+
+def _is_float(dtype) -> bool:
+  return dtype.kind == "f" or "float" in dtype.name   # bfloat16 is a numpy extension type
 
 
 def _is_zeros(program, v) -> bool:
@@ -95,11 +100,13 @@ class _Carry(NamedTuple):
 
 
 @per_program
-def links(program) -> tuple[dict, tuple, dict]:
+def links(program) -> tuple[dict, tuple, dict, dict]:
   """What does not depend on the shardings: per value that could be held, the op that would
   carry it on (its only reader, linear in it, in the same loop body); the ops whose result is
-  such a value; and per new carry of a loop that adds to a carry starting at zeros, that
-  carry (a sum over the iterations can stay partial until the loop ends)."""
+  such a value; per new carry of a loop that adds to a carry starting at zeros, that
+  carry (a sum over the iterations can stay partial until the loop ends); and per value a loop
+  stacks (its exit op's only read of it) whose stack only a linear op reads, its position
+  at the exit (a gradient per layer, summed into a carry of an enclosing loop)."""
   values, users, ops = program.values, program.users, program.ops
   region_of = program.region_of if program.regions else None
   outputs = set(program.outputs)
@@ -125,9 +132,33 @@ def links(program) -> tuple[dict, tuple, dict]:
         continue
       link[c] = j
       carries[new] = _Carry(exit_.index, k, c, init)
-  producers = tuple(sorted(values[v].producer for v in link if v not in
-                           {t.carry for t in carries.values()}))
-  return link, producers, carries
+  stacks = {}
+  for r, region in enumerate(program.regions):
+    exit_ = ops[region.exit]
+    n = region.num_carry
+    for k in range(n, len(exit_.outputs)):
+      v, out = exit_.inputs[k], exit_.outputs[k]
+      i = values[v].producer
+      readers = users[out]
+      if (i is None or users[v] != (exit_.index,) or v in outputs or out in outputs or
+          region_of[i] != r or len(readers) != 1 or
+          not _keeps_partial(ops[readers[0]], values) or
+          region_of[readers[0]] != region_of[exit_.index]):
+        continue
+      link[v], link[out], stacks[v] = exit_.index, readers[0], k
+      made = ops[i]
+      if made.name == "convert_element_type" and len(made.inputs) == 1:
+        # A gradient cast up before it is stacked (bf16 compute, float32 master weights): it
+        # is summed over the enclosing loop in the wider type, as gradient accumulation does.
+        u = made.inputs[0]
+        a, b = values[u].dtype, values[v].dtype
+        if (_is_float(a) and _is_float(b) and users[u] == (i,) and u not in outputs and
+            values[u].producer is not None and region_of[values[u].producer] == r):
+          link[u] = i
+  looped = {t.carry for t in carries.values()}
+  producers = tuple(sorted({values[v].producer for v in link if v not in looped and
+                            ops[values[v].producer].primitive is not SCAN_EXIT}))
+  return link, producers, carries, stacks
 
 
 def accumulators(state, max_bytes: int) -> list[tuple[int, ...]]:
@@ -139,12 +170,21 @@ def accumulators(state, max_bytes: int) -> list[tuple[int, ...]]:
           if math.prod(values[new].shape) * values[new].dtype.itemsize <= max_bytes]
 
 
+def _unstacked(parts: dict) -> tuple:
+  """What a tree joining `parts` falls back to if it is not held: the trees its stacked parts
+  were before they were stacked, and its other parts as they are (none if nothing in it was
+  stacked)."""
+  if not any(t.stacked for t in parts.values()):
+    return ()
+  return sum((t.stacked if t.stacked else ((v, t),) for v, t in parts.items()), ())
+
+
 def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
   """The op plans with partial sums deferred where that saves, the ops that then communicate,
   and what is held partial. `ops` and `communicating` are the plans before deferral."""
   program, sizes = state.program, state.sizes
   values, program_ops = program.values, program.ops
-  link, producers, carries = links(state.program)
+  link, producers, carries, stacks = links(state.program)
   trees: dict[int, _Tree] = {}
   for t in carries.values():   # zeros to begin with: a partial sum over any axes
     trees[t.carry] = _Tree(None, 0, 0, 0, (), ())
@@ -170,6 +210,18 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
       continue
     seen.add(j)
     op, p = program_ops[j], ops[j]
+    if op.primitive is SCAN_EXIT:   # sums per iteration, stacked: each position on its own
+      for v in op.inputs:
+        t, k = trees.get(v), stacks.get(v)
+        if t is None or k is None or p.operand_steps[k] or p.result_steps[k]:
+          continue
+        out = op.outputs[k]
+        trees[out] = t._replace(
+            bytes=math.prod(local_shape(values[out].shape, state.dims[out], sizes)) *
+            values[out].dtype.itemsize, held=t.held + (v,), stacked=((v, t),))
+        trees[v] = None
+        heapq.heappush(readers, link[out])
+      continue
     parts = [trees.get(v) for v in op.inputs]
     if None in parts:
       continue
@@ -184,7 +236,8 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
                        math.prod(local_shape(values[out].shape, state.dims[out], sizes)) *
                        values[out].dtype.itemsize,
                        sum((t.held + (v,) for v, t in distinct.items()), ()),
-                       sum((t.ops for t in distinct.values()), (j,)))
+                       sum((t.ops for t in distinct.values()), (j,)),
+                       _unstacked(distinct))
     for v in op.inputs:
       trees[v] = None   # below a root now
     if out in link:
@@ -198,8 +251,17 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
       trees[final] = t._replace(held=t.held + (out,))
       roots[final] = carry
   held_values, held_ops, held_carries, zeros = {}, {}, {}, {}
-  for root, t in trees.items():
-    if t is None or not t.ops or not (root in roots or t.leaves > 1 or t.bytes < t.leaf_bytes):
+  candidates = list(trees.items())
+  while candidates:
+    root, t = candidates.pop()
+    if t is None:
+      continue
+    if t.stacked and root not in roots:
+      # A stack is held only to be summed over an enclosing loop; otherwise each iteration's
+      # tree stands as it was before it was stacked.
+      candidates += list(t.stacked)
+      continue
+    if not t.ops or not (root in roots or t.leaves > 1 or t.bytes < t.leaf_bytes):
       continue
     held_values.update((v, t.axes) for v in t.held)
     held_ops.update((j, t.axes) for j in t.ops)
@@ -211,7 +273,8 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
     return ops, communicating, NOTHING_HELD
   ops = list(ops)
   looped = {t.carry for t in carries.values()}
-  leaves = frozenset(values[v].producer for v in held_values if v not in looped) - set(held_ops)
+  leaves = frozenset(values[v].producer for v in held_values if v not in looped and
+                     program_ops[values[v].producer].primitive is not SCAN_EXIT) - set(held_ops)
   for i in leaves:
     ops[i] = ops[i]._replace(result_steps=((),), writes=())
   for i, positions in held_carries.items():

@@ -155,3 +155,20 @@ def test_a_step_that_accumulates_micro_batches_itself_is_cut_along_the_batch_not
   assert len(pp.program.regions) == (2 if loops == "keep" else 1)
   result = verify(pp, args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_a_scanned_stack_s_gradients_are_reduced_once_after_the_micro_batches():
+  """The backward loop stacks each layer's gradient; summed into the micro-batch loop's carry,
+  the stack stays partial and is all-reduced once, after it (not per micro-batch and layer)."""
+  workload = corpus.load("gpt:small,scan=true,layers=6")
+  program = P.trace(workload.fn, *workload.args)
+  assert any(r.length == 6 for r in program.regions)
+  pp = P.apply(program, "batch=4", "Microbatch(2); BatchParallel(batch)")
+  repeat = pp.program.op_repeat
+  grads = [c for c in pp.collectives if c.kind == "all-reduce" and c.bytes > 1024]
+  assert grads and all(repeat[c.op] == 1 for c in grads)
+  whole = P.apply(program, "batch=4", "BatchParallel(batch)")
+  per_layer = [c for c in whole.collectives if whole.program.op_repeat[c.op] == 6]
+  assert per_layer   # without micro-batches, each layer's gradient is reduced as it is made
+  result = verify(pp, workload.args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
