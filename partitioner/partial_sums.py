@@ -78,6 +78,23 @@ def _keeps_partial(op, values) -> bool:
   return True
 
 
+def _through_cast(program, v, link: dict) -> None:
+  """Links the operand of the float conversion that makes `v` to it, where `v` is summed over
+  a loop: a gradient computed in bf16 for float32 master weights is then accumulated in float32,
+  as gradient accumulation does, and reduced once. (Elsewhere a widening cast ends a held
+  sum: holding it wider would only move more bytes.)"""
+  values, users, ops = program.values, program.users, program.ops
+  i = values[v].producer
+  if i is None or ops[i].name != "convert_element_type" or len(ops[i].inputs) != 1:
+    return
+  u = ops[i].inputs[0]
+  made = values[u].producer
+  if (_is_float(values[u].dtype) and _is_float(values[v].dtype) and users[u] == (i,) and
+      u not in program.outputs and made is not None and
+      program.region_of[made] == program.region_of[i]):
+    link[u] = i
+
+
 def _is_float(dtype) -> bool:
   return dtype.kind == "f" or "float" in dtype.name   # bfloat16 is a numpy extension type
 
@@ -132,6 +149,8 @@ def links(program) -> tuple[dict, tuple, dict, dict]:
         continue
       link[c] = j
       carries[new] = _Carry(exit_.index, k, c, init)
+      for w in ops[j].inputs:   # a sum cast up to be accumulated is held through the cast
+        _through_cast(program, w, link)
   stacks = {}
   for r, region in enumerate(program.regions):
     exit_ = ops[region.exit]
@@ -146,15 +165,7 @@ def links(program) -> tuple[dict, tuple, dict, dict]:
           region_of[readers[0]] != region_of[exit_.index]):
         continue
       link[v], link[out], stacks[v] = exit_.index, readers[0], k
-      made = ops[i]
-      if made.name == "convert_element_type" and len(made.inputs) == 1:
-        # A gradient cast up before it is stacked (bf16 compute, float32 master weights): it
-        # is summed over the enclosing loop in the wider type, as gradient accumulation does.
-        u = made.inputs[0]
-        a, b = values[u].dtype, values[v].dtype
-        if (_is_float(a) and _is_float(b) and users[u] == (i,) and u not in outputs and
-            values[u].producer is not None and region_of[values[u].producer] == r):
-          link[u] = i
+      _through_cast(program, v, link)
   looped = {t.carry for t in carries.values()}
   producers = tuple(sorted({values[v].producer for v in link if v not in looped and
                             ops[values[v].producer].primitive is not SCAN_EXIT}))
