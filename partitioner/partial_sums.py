@@ -12,7 +12,10 @@ it started from. Everywhere else each sum is reduced by its producer, as before.
 
 A loop whose carry starts at zeros and adds a partial sum in every iteration (the gradient
 of a weight a recurrence reads at every time step) keeps the carry partial: one all-reduce
-after the loop replaces one per iteration.
+after the loop replaces one per iteration. So does an inner loop's stacked output of
+per-iteration partial sums that such a carry of an enclosing loop adds up (a scanned layer
+stack's gradients, summed over micro-batches: `microbatch.py`), and a float cast up on the
+way into either (bf16 gradients of float32 master weights are summed in float32).
 
 The plan carries the result (`Plan.held`); the shard_map lowering holds the local pieces as
 they are, the jit lowering holds them as a leading dimension split over P, and the cost
