@@ -44,6 +44,11 @@ class Guarded(NamedTuple):
   def policy_won(self) -> bool:
     return self.winner == "policy"
 
+  @property
+  def step_s(self) -> float:
+    """The step time of what was played."""
+    return self.policy_step_s if self.policy_won else self.best_hand.cost.step_time_s
+
   def summary(self) -> str:
     """One line: which plan won and by how much."""
     hand = self.best_hand
@@ -102,11 +107,12 @@ class Microbatched(NamedTuple):
   cost: object       # its CostReport
 
 
-def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float = float("inf"),
+def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = None,
                           plans: int = 3, largest: int = 64) -> Microbatched | None:
-  """The plans that do not fit and are faster than `faster_than` (the policy's and the hand
-  schedules; the `plans` fastest), again with the batch cut into 2, 4, 8... micro-batches, up
-  to `largest`, each with the fewest that fit: the fastest of those that fit and beat
+  """The plans that do not fit and are faster than `faster_than` (by default what `guarded`
+  played, where it fits; any time where nothing fits) — the policy's and the hand schedules,
+  the `plans` fastest — again with the batch cut into 2, 4, 8... micro-batches, up to
+  `largest`, each with the fewest that fit: the fastest of those that fit and beat
   `faster_than`. None where none does."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
@@ -116,6 +122,8 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float = float("inf
                  guarded.policy_fits)] + [
       (h.name, h.schedule, h.cost.step_time_s, h.fits) for h in guarded.hand
       if h.cost is not None]
+  if faster_than is None:
+    faster_than = guarded.step_s if guarded.fits else float("inf")
   candidates = sorted((c for c in candidates if not c[3] and c[2] < faster_than),
                       key=lambda c: c[2])
   program = load_program(ctx.task.model)

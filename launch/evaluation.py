@@ -175,8 +175,7 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
       from agents.guard import fit_with_microbatches, play_guarded
       g = play_guarded(env, policy, search, spec.number or 1)
       start = time.perf_counter()
-      micro = fit_with_microbatches(env.context, g, env.exact_cost.step_time_s if g.fits
-                                    else float("inf"))
+      micro = fit_with_microbatches(env.context, g)
       out = {"decide_s": g.policy_s + g.guard_s + time.perf_counter() - start,
              "simulations": g.simulations,
              "guard": {"winner": g.winner, "policy_step_time_s": g.policy_step_s,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from launch import report
 from launch.partition_command import _mesh_size
@@ -120,7 +119,7 @@ def run(args) -> int:
     status.start()
     status.update("trying the faster plans that do not fit with micro-batches")
   try:
-    micro = fit_with_microbatches(ctx, guarded, cost.step_time_s if guarded.fits else math.inf)
+    micro = fit_with_microbatches(ctx, guarded)
   finally:
     if status:
       status.stop()

@@ -32,7 +32,7 @@ import numpy as np
 
 from partitioner import roles as R
 from partitioner.errors import ScheduleError, WorkloadError
-from partitioner.ir import SCAN_ENTER, SCAN_EXIT, Program
+from partitioner.ir import SCAN_ENTER, SCAN_EXIT, Program, per_program
 from partitioner.mesh import Mesh
 from partitioner.plan import make_plan
 from partitioner.propagation import ShardingState
@@ -83,6 +83,12 @@ def microbatch(program: Program, k: int) -> Program:
   if program.source is None:
     _refuse(k, "the program was not traced from a function (partitioner.trace), so it cannot "
                "be traced again at a micro-batch's size")
+  return _microbatched(program, k)
+
+
+@per_program
+def _microbatched(program: Program, k: int) -> Program:
+  """Made once per program and count: a search tries one cut under many schedules."""
   cut, small = _cut(program, k)
   return _emit(program, small, cut, k)
 
@@ -114,8 +120,8 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
   # Values that depend on the data. A total of the data alone (the number of tokens a loss is
   # divided by) is computed before the loop, from the whole batch, like any constant of it.
   data = _depends(program, picked)
-  model = _depends(program, [v for v in program.inputs if v not in set(picked)])
-  data &= model | np.array([e is not None for e in example])
+  data &= _depends(program, [v for v in program.inputs if v not in set(picked)]) | np.array(
+      [e is not None for e in example])
 
   # Partial sums over the batch: made by a reduction over it, or linear in such a sum. A loop
   # carry that starts at zeros is taken to be zero or a partial sum as what comes back to it
@@ -263,25 +269,9 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
 
 
 def _depends(program: Program, sources) -> np.ndarray:
-  """Per value, whether it is computed from one of `sources` (a loop carry that becomes so in
-  the body is so all around the loop)."""
-  ops = program.ops
+  """Per value, whether it is computed from one of `sources` (`roles.depends_on`)."""
   out = np.zeros(len(program.values), bool)
-  out[list(sources)] = True
-  enters = {ops[r.exit].params["region"]: ops[r.enter] for r in program.regions}
-  changed = True
-  while changed:
-    changed = False
-    for op in ops:
-      if any(out[v] for v in op.inputs) and not all(out[v] for v in op.outputs):
-        out[list(op.outputs)] = True
-        changed = True
-      if op.primitive is SCAN_EXIT:
-        enter = enters[op.params["region"]]
-        for j in range(op.params["num_carry"]):
-          if out[op.inputs[j]] and not out[enter.outputs[j]]:
-            out[enter.outputs[j]] = True
-            changed = True
+  out[list(R.depends_on(program, tuple(sources)))] = True
   return out
 
 

@@ -154,12 +154,19 @@ def forward_ops(program: Program) -> frozenset[int]:
 
 @per_program
 def depends_on(program: Program, sources: tuple[int, ...]) -> frozenset[int]:
-  """Values computed (transitively) from `sources`."""
+  """Values computed (transitively) from `sources`. A loop carry that the body makes from
+  them is computed from them all around the loop (its next iteration reads it)."""
   reached = set(sources)
-  for op in program.ops:
-    if any(v in reached for v in op.inputs):
-      reached.update(op.outputs)
-  return frozenset(reached)
+  ops = program.ops
+  while True:
+    for op in ops:
+      if any(v in reached for v in op.inputs):
+        reached.update(op.outputs)
+    carried = {ops[r.enter].outputs[j] for r in program.regions for j in range(r.num_carry)
+               if ops[r.exit].inputs[j] in reached} - reached
+    if not carried:
+      return frozenset(reached)
+    reached |= carried
 
 
 def param_source(program: Program, vid: int, params: frozenset[int]):

@@ -19,6 +19,15 @@ def _run(program, args, seed=0):
   return jax.jit(program.evaluate)(*program.flatten_args(concrete))
 
 
+def _cut_exactly(step, args, k: int):
+  """The step traced and cut into `k` micro-batches, both run: the same outputs."""
+  program = P.trace(step, *args)
+  cut = P.apply(program, "batch=8", f"Microbatch({k})").program
+  for a, b in zip(_run(program, args), _run(cut, args)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+  return program, cut
+
+
 def _mlp_step(per_example=False, normalise_by_mask=False, dropout=False, batch_norm=False):
   def step(params, batch):
     def loss_fn(p):
@@ -46,13 +55,9 @@ def _mlp_step(per_example=False, normalise_by_mask=False, dropout=False, batch_n
 
 
 def test_the_loss_and_gradients_are_those_of_the_whole_batch():
-  step, args = _mlp_step()
-  program = P.trace(step, *args)
-  cut = P.apply(program, "batch=8", "Microbatch(4)").program
+  program, cut = _cut_exactly(*_mlp_step(), 4)
   assert cut.microbatches == 4 and cut.original is program and len(cut.regions) == 1
   assert cut.regions[0].length == 4
-  for a, b in zip(_run(program, args), _run(cut, args)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
 def test_outputs_per_example_come_back_in_their_order():
@@ -67,10 +72,7 @@ def test_outputs_per_example_come_back_in_their_order():
 
 def test_random_numbers_are_drawn_for_the_whole_batch_so_each_example_keeps_its_own():
   step, args = _mlp_step(dropout=True)
-  program = P.trace(step, *args)
-  cut = P.apply(program, "batch=8", "Microbatch(2)").program
-  for a, b in zip(_run(program, args), _run(cut, args)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+  program, _ = _cut_exactly(step, args, 2)
   result = verify(P.apply(program, "batch=8", "Microbatch(2); BatchParallel(batch)"), args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
 
@@ -113,11 +115,7 @@ def test_activations_shrink_and_the_gradients_are_reduced_once_after_the_loop():
 
 
 def test_a_loss_divided_by_a_count_over_the_batch_divides_by_the_whole_batch_count():
-  step, args = _mlp_step(normalise_by_mask=True)
-  program = P.trace(step, *args)
-  cut = P.apply(program, "batch=8", "Microbatch(2)").program
-  for a, b in zip(_run(program, args), _run(cut, args)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+  _cut_exactly(*_mlp_step(normalise_by_mask=True), 2)
 
 
 def test_a_statistic_of_the_whole_batch_that_depends_on_the_model_is_refused():
@@ -171,4 +169,16 @@ def test_a_scanned_stack_s_gradients_are_reduced_once_after_the_micro_batches():
   per_layer = [c for c in whole.collectives if whole.program.op_repeat[c.op] == 6]
   assert per_layer   # without micro-batches, each layer's gradient is reduced as it is made
   result = verify(pp, workload.args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+@pytest.mark.slow   # on the pinned stack only (CI time)
+def test_flax_scanned_blocks_in_a_train_state_cut_and_verify_with_megatron():
+  """Written by others: Flax `nn.scan` blocks, a `TrainState`, AdamW."""
+  from tests.partitioner import user_models
+  fn, args = user_models.flax_scanned_blocks()
+  pp = P.apply(P.trace(fn, *args), "batch=4,model=2",
+               "Microbatch(2); BatchParallel(batch); Megatron(model)")
+  assert pp.program.microbatches == 2
+  result = verify(pp, args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
