@@ -68,6 +68,7 @@ def expected(family: str) -> list:
   import jax
   from partitioner.verify import example_inputs
   workload, program = model(family)
+  program = program.root   # the user's program, before layouts (partitioner/layouts.py)
   concrete = jax.tree_util.tree_unflatten(program.in_tree, example_inputs(workload.args))
   return [np.asarray(x) for x in jax.jit(program.evaluate)(*program.flatten_args(concrete))]
 

@@ -182,6 +182,17 @@ def _print_cost(out, cost) -> None:
                            justify={k: "right" for k in range(3, 8)}))
 
 
+def layout_lines(program) -> list[str]:
+  """What the program holds in another layout than the user's (partitioner/layouts.py)."""
+  groups: dict = {}
+  for k, lay in program.layouts.items():
+    groups.setdefault(str(lay), []).append(program.input_names[k])
+  return ([f"held in another layout, so that they split (inputs converted once as they are "
+           f"placed, `Program.store_inputs`; outputs converted back):"] +
+          [f"  {text}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+           for text, names in groups.items()]) if groups else []
+
+
 def _print(args, pp, result, verification, xla, cost) -> None:
   from partitioner.collectives import summarize
   out = report.console()
@@ -196,6 +207,8 @@ def _print(args, pp, result, verification, xla, cost) -> None:
                  if unrolled else "")
               + (f", {kept} kept as loops (body partitioned once, run "
                  f"{', '.join(str(r.length) for r in p.regions)} times)" if kept else ""))
+  for line in layout_lines(p):
+    out.print(line)
   out.print(f"strategy: {pp.strategy}")
   for r in pp.reports:
     out.print(f"  {r.tactic}: {len(r.targets)} values tiled, {r.visits} op visits"

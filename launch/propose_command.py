@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from launch import report
-from launch.partition_command import _mesh_size
+from launch.partition_command import _mesh_size, layout_lines
 from launch.search_command import _cost_dict, strategy_result
 
 HELP = "propose a partitioning strategy with a trained policy"
@@ -137,6 +137,8 @@ def run(args) -> int:
                  f"{base} {gain}",
         "cost_ratio_to_expert": None if guarded.best_hand is None else
         cost.step_time_s / guarded.best_hand.cost.step_time_s})
+  result["layouts"] = {found.program.input_names[k]: str(lay)
+                       for k, lay in found.program.layouts.items()}
   fits = result["fits"]
   if args.verify and fits:
     from partitioner.verify import verify
@@ -164,6 +166,8 @@ def _print(out, result, found, ctx, guarded) -> None:
     out.print(f"[bold]no plan fits in {h(ctx.budget)} per device[/bold], neither the policy's nor "
               f"a hand schedule's; the closest needs {h(result['cost']['peak_memory_bytes'])}:")
     out.print(f"closest (does not fit): {result['schedule'] or '(none: unpartitioned)'}")
+  for line in layout_lines(found.program):
+    out.print(line)
   for r in found.reports:
     out.print(f"  {r.tactic}: " + (f"{len(r.targets)} values tiled" if r.targets or not r.notes
                                     else r.notes[0]))

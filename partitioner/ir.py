@@ -167,6 +167,10 @@ class Program:
     self.source: tuple | None = None   # (function, loops) it was traced from (`tracing.retrace`)
     self.original: "Program | None" = None   # the program a rewrite made this one from
     self.microbatches = 1              # into how many micro-batches a step's batch is cut
+    # Input / output position -> how the program holds it, where not as the user does
+    # (`layouts.Interleaved`): `store_inputs` and `load_outputs` convert.
+    self.layouts: dict[int, Any] = {}
+    self.output_layouts: dict[int, Any] = {}
     self._input_pos = {v: i for i, v in enumerate(self.inputs)}
     self._output_pos: dict[int, int] = {}
     for i, v in enumerate(self.outputs):
@@ -380,6 +384,31 @@ class Program:
                          f"traced, got {given!r}: pass an array to make it an input")
     return [x for i, x in enumerate(leaves) if i not in self.static]
 
+  @property
+  def root(self) -> "Program":
+    """The user's program, before any rewrite."""
+    program = self
+    while program.original is not None:
+      program = program.original
+    return program
+
+  def store_inputs(self, flat: Sequence) -> list:
+    """The user's input leaves as this program holds them (once, as they go to devices);
+    abstract ones (`jax.ShapeDtypeStruct`) take the shape they are held in."""
+    if not self.layouts:
+      return list(flat)
+    import jax
+    out = list(flat)
+    for k, x in enumerate(out):
+      if k in self.layouts and isinstance(x, jax.ShapeDtypeStruct):
+        out[k] = jax.ShapeDtypeStruct(self.values[self.inputs[k]].shape, x.dtype)
+    return _convert(out, {k: lay for k, lay in self.layouts.items()
+                          if not isinstance(out[k], jax.ShapeDtypeStruct)}, "store")
+
+  def load_outputs(self, flat: Sequence) -> list:
+    """This program's output leaves as the user's program makes them."""
+    return _convert(list(flat), self.output_layouts, "load") if self.output_layouts else list(flat)
+
   def __repr__(self) -> str:
     return (f"Program({len(self.ops)} ops, {len(self.inputs)} inputs, {len(self.outputs)} outputs)")
 
@@ -398,6 +427,28 @@ def walk(program: Program, lo: int, hi: int, step, loop) -> None:
       region = program.regions[k]
       loop(k, region.enter + 1, region.exit)
       i = region.exit + 1
+
+
+def _convert(flat: list, layouts: dict, method: str) -> list:
+  """`flat` with the leaves at `layouts`' positions converted (`store` or `load`): in one
+  computation, so that sharded leaves' conversions, which move data between devices, run as
+  one program rather than as many small ones in flight at once (which XLA's CPU collectives can
+  interleave into a deadlock); inline while tracing."""
+  from partitioner.compat import Tracer
+  ks = sorted(layouts)
+  if any(isinstance(flat[k], Tracer) for k in ks):
+    converted = [getattr(layouts[k], method)(flat[k]) for k in ks]
+  else:
+    converted = _converter(method, tuple(layouts[k] for k in ks))(*[flat[k] for k in ks])
+  for k, x in zip(ks, converted):
+    flat[k] = x
+  return flat
+
+
+@functools.lru_cache(maxsize=64)
+def _converter(method: str, layouts: tuple):
+  import jax
+  return jax.jit(lambda *xs: [getattr(lay, method)(x) for lay, x in zip(layouts, xs)])
 
 
 def run_loop(program: Program, k: int, operands: list, iteration) -> list:

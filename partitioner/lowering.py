@@ -185,8 +185,8 @@ def lower_spmd(pp, jax_mesh=None) -> Callable:
   flat = shard_map(_spmd_body(pp), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
   def run(*args):
-    outs = flat(*program.flatten_args(args))
-    return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
+    outs = flat(*program.store_inputs(program.flatten_args(args)))
+    return jax.tree_util.tree_unflatten(program.out_tree, program.load_outputs(list(outs)))
 
   run.flat = flat
   return run
@@ -373,11 +373,16 @@ class JittedProgram:
     self.program, self.wrapped = program, wrapped
 
   def __call__(self, *args):
-    outs = self.wrapped(*self.program.flatten_args(args))
-    return jax.tree_util.tree_unflatten(self.program.out_tree, list(outs))
+    """The user's arguments in, the user's results out; where the program holds a value
+    otherwise (`Program.layouts`), it is converted on the way (a training loop would convert
+    its state once: `program.store_inputs`, then call `wrapped` on leaves)."""
+    outs = self.wrapped(*self.program.store_inputs(self.program.flatten_args(args)))
+    return jax.tree_util.tree_unflatten(self.program.out_tree,
+                                        self.program.load_outputs(list(outs)))
 
   def lower(self, *args):
-    return JittedProgram(self.program, self.wrapped.lower(*self.program.flatten_args(args)))
+    return JittedProgram(self.program, self.wrapped.lower(
+        *self.program.store_inputs(self.program.flatten_args(args))))
 
   def compile(self, *args, **kwargs):
     return JittedProgram(self.program, self.wrapped.compile(*args, **kwargs))

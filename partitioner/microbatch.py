@@ -78,7 +78,7 @@ def microbatch(program: Program, k: int) -> Program:
     raise ScheduleError(f"Microbatch needs a positive number of micro-batches, got {k!r}")
   if k == 1:
     return program
-  if program.original is not None:
+  if program.microbatches > 1:
     _refuse(k, "the program is cut into micro-batches already")
   if program.source is None:
     _refuse(k, "the program was not traced from a function (partitioner.trace), so it cannot "
@@ -420,6 +420,7 @@ def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
   out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep")
   out.original = program
   out.microbatches = k
+  out.layouts, out.output_layouts = program.layouts, program.output_layouts
   return out
 
 

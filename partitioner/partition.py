@@ -136,6 +136,7 @@ class PartitionedProgram:
                         for c in self.collectives],
         "collective_summary": summarize(self.collectives),
         "loops": list(p.loops),
+        "layouts": {p.input_names[k]: str(lay) for k, lay in p.layouts.items()},
         "fallbacks": [{"op": i, "primitive": p.ops[i].name, "reason": r}
                       for i, r in self.fallbacks.items()],
         "conflicts": [c._asdict() for c in self.conflicts],

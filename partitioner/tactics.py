@@ -225,9 +225,10 @@ class Megatron(Tactic):
 
   The pairs are found structurally: a weight whose output dimension flows through pass-through
   ops into another weight's contracting dimension (see `roles.megatron_pairs`). A fused
-  projection (HF GPT-2's `c_attn`: q, k and v from one matmul, then split) is split by heads
-  at its chunks; its kernel stays replicated, since in the (chunk, head, head_dim) layout of
-  its rows one device's heads are not a contiguous block.
+  projection (HF GPT-2's `c_attn`: q, k and v from one matmul, then split) is held interleaved
+  when traced (partitioner/layouts.py), so its kernel pairs like any other. Where it cannot be
+  (inside a loop's body), it is split by heads at its chunks and its kernel stays replicated,
+  since in the (chunk, head, head_dim) layout of its rows one device's heads are not a block.
   """
   axis: str
   name: ClassVar[str] = "Megatron"

@@ -401,12 +401,14 @@ def _find_aliases(args, out_shape, dynamic: list[int]) -> dict[int, int]:
 
 
 def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None,
-          loops: str = "auto") -> Program:
+          loops: str = "auto", layouts: bool = True) -> Program:
   """Traces `fn(*args)` into a `Program`. Arguments are pytrees (dicts, NamedTuples,
   dataclasses, Flax `TrainState`s...); array leaves (or `jax.ShapeDtypeStruct`s) are the
   inputs, every other leaf (a Python number, a string, a callable) is a constant of the trace.
   `loops`: what becomes of `scan`s ("auto", "unroll" or "keep"; see the module docstring).
-  A function that fails to trace raises `WorkloadError` naming the cause."""
+  A function that fails to trace raises `WorkloadError` naming the cause. `layouts`: fused
+  projections are held interleaved and vocabularies padded, so that they split
+  (`layouts.hold_in_layouts`)."""
   if loops not in LOOP_MODES:
     raise ValueError(f"loops must be one of {', '.join(LOOP_MODES)}, got {loops!r}")
   names = list(arg_names) if arg_names is not None else argument_names(fn, len(args))
@@ -452,6 +454,11 @@ def trace(fn: Callable, *args, arg_names: Sequence[str] | None = None,
                     in_tree, out_tree, names, aliases, static)
   program.loops = tuple(builder.loops)
   program.source = (fn, loops)
+  if layouts:
+    from partitioner.layouts import hold_in_layouts
+    traced = program
+    program = hold_in_layouts(program, lambda f, shapes: trace(
+        f, *abstract_args(traced, shapes), arg_names=names, loops="keep", layouts=False))
   return program
 
 
@@ -476,4 +483,6 @@ def retrace(program: Program, shapes: dict[int, tuple[int, ...]]) -> Program:
     raise WorkloadError("this program was not traced from a function (partitioner.trace), so it "
                         "cannot be traced again at another shape")
   fn, loops = program.source
-  return trace(fn, *abstract_args(program, shapes), arg_names=program.arg_names, loops=loops)
+  # The function takes the user's arguments, whatever layouts the program holds them in.
+  return trace(fn, *abstract_args(program.root, shapes), arg_names=program.arg_names,
+               loops=loops)

@@ -155,7 +155,7 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
            jax_mesh=None, expected=None) -> Verification:
   """Runs the unpartitioned program, the shard_map lowering and the jit lowering; compares.
   `expected`: the unpartitioned program's outputs on these inputs, if already known."""
-  program = pp.program.original or pp.program   # a rewrite (micro-batches) is checked too
+  program = pp.program.root   # a rewrite (micro-batches, layouts) is checked too
   flat = example_inputs(args, seed)
   concrete = jax.tree_util.tree_unflatten(program.in_tree, flat)
   inputs = program.flatten_args(concrete)
@@ -163,7 +163,8 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
     expected = jax.jit(program.evaluate)(*inputs)
   mesh = jax_mesh if jax_mesh is not None else pp.mesh.to_jax()
   results = {
-      "shard_map": list(jax.jit(pp.lower_spmd(mesh).flat)(*inputs)),
+      "shard_map": pp.program.load_outputs(
+          list(jax.jit(pp.lower_spmd(mesh).flat)(*pp.program.store_inputs(inputs)))),
       "jit": jax.tree_util.tree_leaves(pp.jit(mesh)(*concrete)),
   }
   floor = compute_dtype(program)
