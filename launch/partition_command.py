@@ -173,12 +173,12 @@ def _print_cost(out, cost) -> None:
   out.print(f"memory per device: peak {h(m.peak_bytes)} of {h(m.capacity_bytes)}, {status} "
             f"(at the peak: {parts})")
   rows = [(d["kind"], "+".join(d["axes"]), d["decomposition"], d["count"],
-           f"{d['launches']:.0f}", h(d["bytes"]), ms(d["seconds"]), ms(d["exposed_seconds"]))
-          for d in cost.decompositions()]
+           f"{d['step_launches']:.0f}", h(d["step_bytes"]), ms(d["step_seconds"]),
+           ms(d["exposed_seconds"])) for d in cost.decompositions()]
   if rows:   # launches: fewer than tensors where the combiner joins them
-    out.print(report.table("collective time per device", ["kind", "axes", "run as", "tensors",
-                                                           "launches", "bytes", "time",
-                                                           "exposed"], rows,
+    out.print(report.table("collective time per device and step (a loop's collectives count "
+                           "every iteration)", ["kind", "axes", "run as", "tensors", "launches",
+                                                "bytes", "time", "exposed"], rows,
                            justify={k: "right" for k in range(3, 8)}))
 
 

@@ -168,7 +168,7 @@ class Program:
     self.original: "Program | None" = None   # the program a rewrite made this one from
     self.microbatches = 1              # into how many micro-batches a step's batch is cut
     # Input / output position -> how the program holds it, where not as the user does
-    # (`layouts.Interleaved`): `store_inputs` and `load_outputs` convert.
+    # (`layouts.Interleaved`, `layouts.Padded`): `store_inputs` and `load_outputs` convert.
     self.layouts: dict[int, Any] = {}
     self.output_layouts: dict[int, Any] = {}
     self._input_pos = {v: i for i, v in enumerate(self.inputs)}

@@ -417,7 +417,8 @@ def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
     outs = step(*program.flatten_args(args))
     return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
-  out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep")
+  out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep",
+              layouts=False)   # `program`'s layouts, kept below
   out.original = program
   out.microbatches = k
   out.layouts, out.output_layouts = program.layouts, program.output_layouts

@@ -32,6 +32,7 @@ class CollectiveCost(NamedTuple):
   value: int
   op: int
   combined: float = 1.0     # tensors per combined collective it runs in (1: alone)
+  repeat: float = 1.0       # how many times a step runs it (a loop's body, a folded layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +46,22 @@ class CostReport:
   hbm_bytes: float          # per device, at fused-kernel boundaries
   memory: MemoryReport
   placement: dict           # mesh axis -> "intra", "inter" or "both"
-  # The plan's collectives, their times, exposed seconds and combined buckets; `collectives`
-  # pairs them up when read (a search reads the totals only).
-  timed_collectives: tuple = dataclasses.field(default=((), (), (), None), repr=False)
+  # The plan's collectives, their times (per occurrence), exposed seconds (per step), combined
+  # buckets and repeats; `collectives` pairs them up when read (a search reads the totals only).
+  timed_collectives: tuple = dataclasses.field(default=((), (), (), None, None), repr=False)
 
   @functools.cached_property
   def collectives(self) -> list[CollectiveCost]:
-    collectives, timed, exposed, buckets = self.timed_collectives
+    collectives, timed, exposed, buckets, repeats = self.timed_collectives
+    repeats = [1.0] * len(collectives) if repeats is None else repeats
     if buckets is None:
       return [CollectiveCost(c.kind, c.axes, c.bytes, t.seconds, e, t.decomposition, c.value,
-                             c.op) for c, t, e in zip(collectives, timed, exposed)]
+                             c.op, 1.0, r)
+              for c, t, e, r in zip(collectives, timed, exposed, repeats)]
     seconds, launches, decompositions = buckets   # shares of the buckets they ran in
-    return [CollectiveCost(c.kind, c.axes, c.bytes, t, e, d, c.value, c.op, 1.0 / l)
-            for c, t, e, d, l in zip(collectives, seconds.tolist(), exposed, decompositions,
-                                     launches.tolist())]
+    return [CollectiveCost(c.kind, c.axes, c.bytes, t, e, d, c.value, c.op, 1.0 / l, r)
+            for c, t, e, d, l, r in zip(collectives, seconds.tolist(), exposed, decompositions,
+                                        launches.tolist(), repeats)]
 
   @property
   def fits(self) -> bool:
@@ -70,18 +73,24 @@ class CostReport:
 
   def decompositions(self) -> list[dict]:
     """Per (kind, axes): how each collective is run across the link levels, and its time;
-    `count` tensors in `launches` collectives (fewer where the combiner joined them)."""
+    `count` tensors in `launches` collectives (fewer where the combiner joined them), `bytes`
+    and `seconds` once each, and `step_*` as often as a step runs them (a loop's body runs
+    every iteration), like `exposed_seconds`."""
     groups: dict = {}
     for c in self.collectives:
       g = groups.setdefault((c.kind, c.axes, c.decomposition), {
           "kind": c.kind, "axes": list(c.axes), "decomposition": c.decomposition, "count": 0,
-          "launches": 0.0, "bytes": 0, "seconds": 0.0, "exposed_seconds": 0.0})
+          "launches": 0.0, "bytes": 0, "seconds": 0.0, "step_launches": 0.0, "step_bytes": 0.0,
+          "step_seconds": 0.0, "exposed_seconds": 0.0})
       g["count"] += 1
       g["launches"] += 1.0 / c.combined
       g["bytes"] += c.bytes
       g["seconds"] += c.seconds
+      g["step_launches"] += c.repeat / c.combined
+      g["step_bytes"] += c.bytes * c.repeat
+      g["step_seconds"] += c.seconds * c.repeat
       g["exposed_seconds"] += c.exposed_seconds
-    return sorted(groups.values(), key=lambda g: -g["seconds"])
+    return sorted(groups.values(), key=lambda g: -g["step_seconds"])
 
   def to_dict(self) -> dict:
     return {"hardware": self.hardware, "step_time_s": self.step_time_s,
@@ -275,7 +284,8 @@ class Simulator:
     return CostReport(hw.name, compute_s + float(sum(exposed)), compute_s,
                       float(np.sum(durations)), float(sum(exposed)), float(flops.sum()),
                       float(nbytes.sum()), mem, self.placement.describe(),
-                      (collectives, timed, exposed, buckets))
+                      (collectives, timed, exposed, buckets,
+                       None if self.op_weight is None else self.op_weight[a.op].tolist()))
 
   def _places(self, a: _PlanArrays) -> tuple[np.ndarray, np.ndarray]:
     """Per collective: the place in the run order where it can be issued, and the place of the

@@ -97,6 +97,11 @@ def _combines_within_iterations(pp, twin):
   a, b = simulate(pp, "h100"), simulate(twin, "h100")
   launches = lambda cost: sum(d["launches"] for d in cost.decompositions())
   kept_launches = sum(pp.program.op_repeat[c.op] / c.combined for c in a.collectives)
+  # Per step, the report counts a loop's collectives in every iteration, as its total does.
+  steps = a.decompositions()
+  assert sum(d["step_launches"] for d in steps) == pytest.approx(kept_launches)
+  assert sum(d["step_seconds"] for d in steps) == pytest.approx(a.comm_s)
+  assert all(d["exposed_seconds"] <= d["step_seconds"] * (1 + 1e-9) for d in steps)
   assert launches(b) <= kept_launches + 1e-9
   assert kept_launches <= sum(pp.program.op_repeat[c.op] for c in a.collectives)
   assert a.comm_s >= b.comm_s * (1 - 1e-9)
