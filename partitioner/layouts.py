@@ -106,7 +106,16 @@ def hold_in_layouts(program: Program, trace) -> Program:
   it has neither. `trace(fn, shapes)`: `fn`, which takes the program's arguments, traced with
   the given inputs (position -> shape) reshaped (`tracing.trace` passes it)."""
   held = _held(program)
-  return _rewrite(program, held, trace) if held else program
+  if not held:
+    return program
+  try:
+    return _rewrite(program, held, trace)
+  except Exception as e:   # an optimisation: never the reason a step cannot be partitioned
+    import warnings
+    warnings.warn(f"partitioner.layouts: the step could not be traced with its fused projections "
+                  f"or vocabularies held in layout ({type(e).__name__}: {e}); it keeps the "
+                  f"user's layout", stacklevel=2)
+    return program
 
 
 def _held(program: Program) -> dict:

@@ -163,3 +163,16 @@ def test_micro_batches_cut_the_held_program():
   assert pp.program.root is program.root
   result = verify(pp, _args(args))
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_a_rewrite_that_fails_leaves_the_users_layout_with_a_warning(monkeypatch):
+  from partitioner import layouts
+  step, args = _step()
+
+  def broken(*a, **k):
+    raise RuntimeError("planted")
+
+  monkeypatch.setattr(layouts, "_chunk_op", broken)
+  with pytest.warns(UserWarning, match="keeps the user's layout"):
+    program = P.trace(step, *args)
+  assert program.layouts == {} and program.value("params/emb").shape == (V, D)
