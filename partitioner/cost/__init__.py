@@ -2,9 +2,11 @@
 
 # Bumped when predictions change (2: collectives combine; 3: views and cheap one-operand
 # elementwise results have no buffers; 4: partial sums deferred through linear ops; 5: GPUs and
-# TPUs fuse as XLA:GPU does; 6: each GPU kernel launch costs `Hardware.kernel_launch_s`), so
-# that stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 6
+# TPUs fuse as XLA:GPU does; 6: each GPU kernel launch costs `Hardware.kernel_launch_s`; 7: the
+# programs priced hold fused projections interleaved and odd vocabularies padded,
+# partitioner/layouts.py), so that stored evaluations made with another model are redone rather
+# than compared with these.
+COST_MODEL_VERSION = 7
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware
