@@ -45,7 +45,7 @@ FAMILIES = ("hf_gpt2", "hf_bert", "hf_t5", "hf_llama", "hf_mistral", "hf_opt", "
             "hf_bart", "hf_roberta", "hf_bloom", "hf_gemma")
 
 
-def published_rows(models=MODELS, batches=(None, 256)) -> list[dict]:
+def sized_rows(models=MODELS, batches=(None, 256)) -> list[dict]:
   rows = []
   for model in models:
     for batch in batches:
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
             f"{r['model_all_gather_bytes'] / 2**20:17.1f}Mi")
     ok = all(r["verified"] for r in rows)
   else:
-    rows = published_rows()
+    rows = sized_rows()
     print(f"{'model':26s} {'strategy':18s} {'user layout':>14s} {'held':>14s}   (ms, GiB; h100, "
           f"{MESH})")
     by = {(r["model"], r["strategy"], r["layouts"]): r for r in rows}

@@ -98,7 +98,8 @@ class Padded(NamedTuple):
     return lax.broadcasted_iota(jnp.int32, shape, dim) < self.size
 
   def __str__(self) -> str:
-    return f"dimension {self.dim} padded from {self.size} to {self.padded}"
+    return (f"dimension {self.dim} padded from {self.size} to {self.padded} "
+            f"(+{100 * (self.padded / self.size - 1):.2g}% of its work)")
 
 
 def hold_in_layouts(program: Program, trace) -> Program:
