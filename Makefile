@@ -53,16 +53,20 @@ demo: install
 
 # Both stacks: every test on the pinned one, then the core's tests not marked slow on current
 # JAX (training needs the pinned stack: tests/conftest.py leaves its tests out there).
+# Two pytest-xdist workers, one test file each at a time (module fixtures such as the Ray
+# cluster or a trained run are built once): many tests wait on subprocesses, compilers or
+# rendezvous, so two workers on 2 cores take 15 minutes where one took 21.
+PYTEST := -m pytest -q -n 2 --dist loadfile
 test: install install-current
-	$(PY) -m pytest -q tests
+	$(PY) $(PYTEST) tests
 	$(MAKE) --no-print-directory test-current
 
 test-current: install-current
-	SHARDZERO_CORE_ONLY=1 $(CURRENT_PY) -m pytest -q -m "not slow" tests
+	SHARDZERO_CORE_ONLY=1 $(CURRENT_PY) $(PYTEST) -m "not slow" tests
 
 # The fast lane while changing the partitioner or the cost model: everything not marked slow.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) $(PYTEST) -m "not slow" tests
 
 bench: install
 	$(PY) benchmarks/bench_partitioner.py
