@@ -39,6 +39,7 @@ DEFAULT_EFFICIENCY = {
 }
 
 
+COLLECTIVE_MODELS = ("nccl", "alpha-beta")
 COMBINE_THRESHOLD = 30 * 2**20   # XLA:GPU's default for each of the three combiners
 
 
@@ -66,6 +67,13 @@ class Hardware:
   # kernels a step, and there this is most of the step (on an H100, 4-9 us a kernel in the
   # traces of docs/validation.md). 0 where not measured (TPUs, the host CPU).
   kernel_launch_s: float = 0.0
+  # How collectives run (partitioner/cost/communication.py): "nccl" (GPUs: NCCL's rings and
+  # trees, its protocols and latencies per step) or "alpha-beta" (rings and trees over the two
+  # link levels with the links' own latencies, and hierarchical decompositions: TPUs, the CPU).
+  collectives: str = "alpha-beta"
+  # NCCL's proxy-thread overhead per network step (its getNetOverhead: 1 us on Intel hosts,
+  # 2 us on AMD ones); an inter-node ring's NVLink steps wait on it too.
+  net_overhead_s: float = 1e-6
 
   def __hash__(self) -> int:  # the mappings are not hashable; equal specs share a name
     return hash(self.name)
@@ -131,6 +139,12 @@ class Hardware:
           allow_zero=True))
       values["kernel_launch_s"] = _positive(values.get("kernel_launch_s", 0.0),
                                             "kernel_launch_s", allow_zero=True)
+      values["net_overhead_s"] = _positive(values.get("net_overhead_s", 1e-6),
+                                           "net_overhead_s", allow_zero=True)
+      values["collectives"] = str(values.get("collectives", "alpha-beta"))
+      if values["collectives"] not in COLLECTIVE_MODELS:
+        raise HardwareError(f"{source}: unknown collectives {values['collectives']!r}; known: "
+                            f"{', '.join(COLLECTIVE_MODELS)}")
       values["fusion"] = str(values.get("fusion", "producer"))
       if values["fusion"] not in FUSION_MODELS:
         raise HardwareError(f"{source}: unknown fusion {values['fusion']!r}; known: "
@@ -157,10 +171,18 @@ def _positive(value, what, allow_zero=False) -> float:
 GPU_KERNEL_LAUNCH_S = 4e-6
 
 
-def _gpu(name, description, bf16, f32, hbm_gib, hbm_bw, nvlink, ib):
+def _gpu(name, description, bf16, f32, hbm_gib, hbm_bw, nvlink, ib, net_overhead_s):
+  # The links' latencies are unused under NCCL's model (its own per-step latencies apply);
+  # they stay for specs that switch to "alpha-beta".
   return Hardware(name, description, {"bfloat16": bf16, "float16": bf16, "float32": f32},
                   hbm_gib * GiB, hbm_bw, 8, Link("NVLink", nvlink, 5e-6),
-                  Link("InfiniBand", ib, 10e-6), kernel_launch_s=GPU_KERNEL_LAUNCH_S)
+                  Link("InfiniBand", ib, 10e-6), kernel_launch_s=GPU_KERNEL_LAUNCH_S,
+                  collectives="nccl", net_overhead_s=net_overhead_s)
+
+
+# NCCL's getNetOverhead (src/graph/tuning.cc): DGX A100 nodes have AMD EPYC hosts, DGX H100
+# and H200 nodes Intel Xeon ones.
+AMD_HOST, INTEL_HOST = 2e-6, 1e-6
 
 
 def _tpu(name, description, bf16, hbm_gib, hbm_bw, ici, pod, dcn):
@@ -178,18 +200,18 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
          459e12, 95, 2765e9, 300e9, 8960, 12.5e9),
     _gpu("a100-40gb", "NVIDIA A100 SXM 40 GB: 312 TFLOP/s bf16 (156 TF32), 1.6 TB/s, 8 per "
          "node with NVLink 3, 200 Gb/s InfiniBand per GPU", 312e12, 156e12, 40, 1555e9, 300e9,
-         25e9),
+         25e9, AMD_HOST),
     _gpu("a100-80gb", "NVIDIA A100 SXM 80 GB: 312 TFLOP/s bf16 (156 TF32), 2.0 TB/s, 8 per "
          "node with NVLink 3, 200 Gb/s InfiniBand per GPU", 312e12, 156e12, 80, 2039e9, 300e9,
-         25e9),
+         25e9, AMD_HOST),
     # float32 is the TF32 rate: JAX's default matmul precision runs f32 dots on TF32 tensor
     # cores on Ampere and Hopper (the H100 does 67 TFLOP/s at precision=HIGHEST).
     _gpu("h100", "NVIDIA H100 SXM 80 GB: 989 TFLOP/s bf16 (494 TF32, which f32 matmuls get at "
          "JAX's default precision), 3.35 TB/s, 8 per node with NVLink 4, 400 Gb/s InfiniBand "
-         "per GPU", 989e12, 494e12, 80, 3350e9, 450e9, 50e9),
+         "per GPU", 989e12, 494e12, 80, 3350e9, 450e9, 50e9, INTEL_HOST),
     _gpu("h200", "NVIDIA H200 SXM 141 GB: the H100's compute (989 TFLOP/s bf16, 494 TF32) with "
          "141 GB of HBM3e at 4.8 TB/s, 8 per node with NVLink 4, 400 Gb/s InfiniBand per GPU",
-         989e12, 494e12, 131, 4800e9, 450e9, 50e9),
+         989e12, 494e12, 131, 4800e9, 450e9, 50e9, INTEL_HOST),
     Hardware("cpu", "host CPU devices (--xla_force_host_platform_device_count): a rough "
              "per-device share of a small machine, for checking orderings locally",
              {"float32": 20e9, "bfloat16": 5e9}, 8 * GiB, 10e9, 64,
