@@ -17,6 +17,7 @@ be expressed until pipelines exist. Writes docs/published.json and its table int
 docs/validation.md (between the `published` markers; `validate_cost_model.py` keeps it).
 
   python benchmarks/published.py            # a few seconds: scanned stacks trace once
+  python benchmarks/published.py --ilp      # and the ILP without the plan: a few minutes
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ def gpt_step(run: Run):
   return step, (params, opt_state, {"tokens": tokens, "labels": tokens})
 
 
+def _workload(run: Run):
+  return lambda: gpt_step(run)
+
+
+# Each unpipelined Table 1 model as a user's program, for `shardzero evaluate --models
+# benchmarks/published.py:table1_18_4b` (the ILP against the published plan).
+for _run in RUNS:
+  if _run.table == "1" and _run.p == 1:
+    globals()[f"table1_{_run.params.lower().replace('.', '_')}"] = _workload(_run)
+
+
 @functools.lru_cache(maxsize=None)
 def traced(layers: int, hidden: int, heads: int, batch: int):
   """The step of one model at one global batch, traced once (Table 2's three runs share it)."""
@@ -180,6 +192,23 @@ def predict(run: Run, hardware: str) -> dict:
           "seconds": time.perf_counter() - start}
 
 
+def search(run: Run, hardware: str, seconds: int) -> dict:
+  """The ILP agent on the same model, GPUs and batch without the plan: a mesh of nodes x 8 GPUs
+  (`data`, `model`), the device's memory as the budget, `seconds` of solver time."""
+  from launch.evaluation import EvalTask, Unit, agent_version, parse_agent, run_unit
+  agent = f"ilp:{seconds}"
+  model = f"{Path(__file__).resolve()}:table1_{run.params.lower().replace('.', '_')}"
+  task = EvalTask(model, f"data={run.gpus // 8},model=8", hardware, "device")
+  start = time.perf_counter()
+  row = run_unit(Unit(task, ((agent, agent_version(parse_agent(agent))),), 24, 0))[0]
+  if "error" in row:
+    raise RuntimeError(f"{run.params}: {row['error']}")
+  return {"mesh": task.mesh, "schedule": row["schedule"], "step_time_s": row["step_time_s"],
+          "peak_gib": row["peak_memory_bytes"] / GiB, "fits": row["fits"],
+          "decide_s": row["decide_s"], "seconds": time.perf_counter() - start,
+          "tflops": model_flops(run) / (row["step_time_s"] * run.gpus) / 1e12}
+
+
 def render(rows: list[dict], hardware: str) -> str:
   lines = [
       "## Published large runs: predicted vs measured throughput",
@@ -203,6 +232,27 @@ def render(rows: list[dict], hardware: str) -> str:
                f"{r['peak_gib']:.0f} GiB{'' if r['fits'] else ' (over)'}"]
     lines.append(f"| {r['table']} | {r['model']} | {r['plan']} | {r['gpus']} | {r['batch']} | "
                  f"{r['published_tflops']:.0f} | " + " | ".join(cells) + " |")
+  searched = [r for r in rows if r.get("ilp")]
+  if searched:
+    lines += [
+        "",
+        "### The ILP without the plan",
+        "",
+        "Each row's model, GPUs, global batch and card, and no plan: the ILP agent (`ilp:60`, "
+        "as `shardzero evaluate` runs it) on a mesh of nodes x 8 GPUs, the card's memory as "
+        "the budget (`python benchmarks/published.py --ilp`).",
+        "",
+        "| model | GPUs | published plan: predicted s, TFLOP/s, peak | ILP plan | ILP: predicted s, "
+        "TFLOP/s, peak | ILP / published plan | solve s |",
+        "|---|---:|---|---|---|---:|---:|"]
+    for r in searched:
+      i = r["ilp"]
+      lines.append(
+          f"| {r['model']} | {r['gpus']} | {r['step_time_s']:.2f}, {r['predicted_tflops']:.0f}, "
+          f"{r['peak_gib']:.0f} GiB | `{i['schedule']}` on {i['mesh']} | "
+          f"{i['step_time_s']:.2f}, {i['tflops']:.0f}, {i['peak_gib']:.0f} GiB"
+          f"{'' if i['fits'] else ' (over)'} | {i['step_time_s'] / r['step_time_s']:.2f} | "
+          f"{i['decide_s']:.0f} |")
   zero3 = [r for r in rows if r["plan"] == "ZeRO-3" and r["predicted_tflops"] is not None]
   if zero3:
     steps = ", ".join(f"{r['step_time_s'] * r['ratio']:.0f}" for r in zero3)
@@ -246,11 +296,18 @@ def main(argv=None) -> int:
   parser.add_argument("--hardware", default="a100-80gb")
   parser.add_argument("--json", default="docs/published.json")
   parser.add_argument("--markdown", default="docs/validation.md")
+  parser.add_argument("--ilp", action="store_true",
+                      help="also run the ILP agent without the plan on each unpipelined "
+                           "Table 1 row (about a minute a row)")
   args = parser.parse_args(argv)
   rows = []
   for run in RUNS:
     rows.append(predict(run, args.hardware))
     r = rows[-1]
+    if args.ilp and run.table == "1" and run.p == 1:
+      r["ilp"] = search(run, args.hardware, 60)
+      print(f"{run.params:>8} ILP: {r['ilp']['schedule']} {r['ilp']['step_time_s']:.2f} s "
+            f"against {r['step_time_s']:.2f} s", flush=True)
     got = "n/a" if r["predicted_tflops"] is None else (
         f"{r['predicted_tflops']:.0f} ({r['ratio']:.2f}x, {r['seconds']:.0f} s)")
     print(f"{run.params:>8} {run.plan:<22} {run.gpus:>5} GPUs: published "
