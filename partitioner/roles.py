@@ -144,12 +144,50 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
 
 @per_program
 def forward_ops(program: Program) -> frozenset[int]:
-  """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on."""
+  """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on. A step
+  that returns only its new state has no loss to follow: there, everything but what the
+  gradient's seed starts (`_seeded_ops`); every op where no seed is found."""
+  everything = frozenset(range(len(program.ops)))
+  if not program.aliases:
+    return everything
   targets = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
-  if not targets or not program.aliases:
-    return frozenset(range(len(program.ops)))
+  if not targets:
+    backward = _seeded_ops(program)
+    return everything - backward if backward else everything
   return frozenset(p for v in _ancestors(program, targets)
                    if (p := program.values[v].producer) is not None)
+
+
+def _seeded_ops(program: Program) -> frozenset[int]:
+  """The ops `jax.grad`'s seed starts: the backward pass and the update after it.
+
+  `jax.grad` transposes the loss from the constant 1.0, so the backward pass begins at an op of
+  constant operands, one of them the scalar 1.0 (`1.0 / n` for a mean, a broadcast of 1.0 for
+  a sum), and everything it starts depends on residuals of the forward pass, never the other
+  way. Other such ops (`jnp.ones` masks) start a part of the forward pass too, and so start
+  more: the seed is the one that starts the fewest ops, of those that start a matmul. Empty
+  where there is none (a step without `jax.grad`)."""
+  inputs = set(program.inputs)
+  constant = lambda v: program.values[v].producer is None and v not in inputs
+
+  def one(v) -> bool:
+    value = program.values[v]
+    try:
+      return value.rank == 0 and value.dtype.kind == "f" and float(value.const) == 1.0
+    except (TypeError, ValueError):
+      return False
+
+  best: frozenset[int] = frozenset()
+  for i, op in enumerate(program.ops):
+    if not op.inputs or not all(constant(v) for v in op.inputs) or not any(
+        one(v) for v in op.inputs):
+      continue
+    started = frozenset(p for v in depends_on(program, tuple(op.outputs))
+                        if (p := program.values[v].producer) is not None)
+    if any(program.ops[p].name == "dot_general" for p in started) and (
+        not best or len(started) < len(best)):
+      best = started
+  return best
 
 
 @per_program

@@ -171,6 +171,37 @@ def test_model_state_is_neither_parameter_nor_optimizer_state():
   assert all(program.name(v).startswith("opt_state/") for v in roles.opt_state)
 
 
+def test_a_step_that_returns_only_its_new_state_has_a_forward_pass():
+  """`return params, opt_state` and no loss: the forward pass is what `jax.grad`'s seed (the
+  constant 1.0 it transposes the loss from) does not start, so Megatron finds the forward
+  matmuls, not the backward ones that read the same weights, and the plan verifies. A
+  `jnp.ones` mask in the forward pass reads 1.0 too and is not taken for the seed."""
+  optimizer = optax.adam(1e-3)
+
+  def loss(params, batch):
+    h = jax.nn.relu(batch["x"] @ params["w1"]) * jnp.ones((32, 256))
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  key1, key2 = jax.random.split(jax.random.PRNGKey(0))
+  params = {"w1": jax.random.normal(key1, (64, 256)) * 0.1,
+            "w2": jax.random.normal(key2, (256, 64)) * 0.1}
+  args = (params, optimizer.init(params), {"x": jnp.ones((32, 64)), "y": jnp.zeros((32, 64))})
+  program = P.trace(step, *args)
+  forward = R.forward_ops(program)
+  matmuls = [i for i, op in enumerate(program.ops) if op.name == "dot_general"]
+  assert [i in forward for i in matmuls] == [True, True, False, False, False]
+  pp = P.apply(program, "batch=4,model=2", "BatchParallel(batch); Megatron(model)")
+  # Column- then row-parallel, as Megatron splits a pair.
+  assert pp.sharding("params/w1").dims == ((), ("model",))
+  assert pp.sharding("params/w2").dims == (("model",), ())
+  assert verify(pp, args).ok
+
+
 def test_concatenate_of_a_sharded_dimension_under_partial_replication_lowers_exactly():
   # XLA's CPU partitioner returns this concatenate multiplied by the replica count
   # (jax-ml/jax#19106); the jit lowering emits it as a sum of padded pieces.
