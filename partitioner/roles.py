@@ -17,6 +17,7 @@ import collections
 import re
 from typing import NamedTuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from partitioner.factors import PASS, REPL, SUM, split_dim
@@ -48,7 +49,9 @@ def _top(name: str) -> str:
 
 
 def _is_key(v) -> bool:
-  return v.dtype == np.uint32 and v.rank >= 1 and v.shape[-1] == 2 or v.dtype.kind == "V"
+  """Raw PRNG key data, or a typed key; bfloat16 (NumPy kind "V" too) is not one."""
+  return (v.dtype == np.uint32 and v.rank >= 1 and v.shape[-1] == 2 or
+          v.dtype.kind == "V" and not jnp.issubdtype(v.dtype, jnp.floating))
 
 
 def _ancestors(program: Program, targets) -> set[int]:
@@ -173,12 +176,13 @@ def _seeded_ops(program: Program) -> frozenset[int]:
   def one(v) -> bool:
     value = program.values[v]
     try:
-      return value.rank == 0 and value.dtype.kind == "f" and float(value.const) == 1.0
+      # float kinds, and "V" for bfloat16 (ml_dtypes); a key's data fails float()
+      return value.rank == 0 and value.dtype.kind in "fV" and float(value.const) == 1.0
     except (TypeError, ValueError):
       return False
 
   best: frozenset[int] = frozenset()
-  for i, op in enumerate(program.ops):
+  for op in program.ops:
     if not op.inputs or not all(constant(v) for v in op.inputs) or not any(
         one(v) for v in op.inputs):
       continue

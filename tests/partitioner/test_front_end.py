@@ -202,6 +202,20 @@ def test_a_step_that_returns_only_its_new_state_has_a_forward_pass():
   assert verify(pp, args).ok
 
 
+def test_bfloat16_data_is_data():
+  """bfloat16 is NumPy kind "V", as typed PRNG keys are: a bfloat16 batch is still the data
+  that BatchParallel splits."""
+  def step(params, batch):
+    grads = jax.grad(lambda p: jnp.mean((batch["x"] @ p["w"]) ** 2))(params)
+    return {"w": params["w"] - 0.1 * grads["w"]}
+
+  args = ({"w": jnp.ones((16, 8), jnp.bfloat16)}, {"x": jnp.ones((32, 16), jnp.bfloat16)})
+  program = P.trace(step, *args)
+  assert [program.name(v) for v in R.roles(program).data] == ["batch/x"]
+  pp = P.apply(program, "batch=8", "BatchParallel(batch)")
+  assert pp.sharding("batch/x").dims == (("batch",), ())
+
+
 def test_concatenate_of_a_sharded_dimension_under_partial_replication_lowers_exactly():
   # XLA's CPU partitioner returns this concatenate multiplied by the replica count
   # (jax-ml/jax#19106); the jit lowering emits it as a sum of padded pieces.
