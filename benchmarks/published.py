@@ -209,7 +209,43 @@ def search(run: Run, hardware: str, seconds: int) -> dict:
           "tflops": model_flops(run) / (row["step_time_s"] * run.gpus) / 1e12}
 
 
-def render(rows: list[dict], hardware: str) -> str:
+def repriced(run: Run, found: dict, hardware: str) -> dict:
+  """A plan `search` found before, priced under the cost model as it is now (a run without
+  --ilp keeps the section, and its plans are not searched again)."""
+  pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), found["mesh"],
+               found["schedule"])
+  cost = simulate(pp, hardware)
+  return {**found, "step_time_s": cost.step_time_s, "peak_gib": cost.peak_memory_bytes / GiB,
+          "fits": cost.fits, "tflops": model_flops(run) / (cost.step_time_s * run.gpus) / 1e12}
+
+
+# Published collective bandwidths (nccl-tests, the bus bandwidth of large messages), against the
+# simulator's for the same collective: (hardware, kind, GPUs per node, nodes, published GB/s,
+# source).
+COLLECTIVES = [
+    ("a100-80gb", "all-reduce", 8, 1, 200,
+     "NVIDIA/nccl-tests#149: 8x A100-SXM4-80GB over NVLink, busbw ~200 GB/s at 1 GB"),
+    ("h100", "all-gather", 8, 1, 370,
+     "NVIDIA/nccl-tests#212 (NCCL maintainer): 450 GB/s NVLink line rate, ~370 GB/s effective "
+     "for ring collectives (all-reduce with NVLink SHARP reaches ~480 busbw, not modelled)"),
+    ("h100", "all-gather", 1, 2, 47,
+     "NVIDIA/nccl-tests#290 (NCCL maintainer): 46-48 GB/s per 400 Gb/s NDR NIC"),
+]
+
+
+def collective_rows() -> list[dict]:
+  from partitioner.cost import CATALOG, Group, collective_time
+  rows = []
+  for hardware, kind, n1, n2, published, source in COLLECTIVES:
+    n, size = n1 * n2, float(1 << 30)
+    t = collective_time(kind, size, Group(n, n1, n2), CATALOG[hardware]).seconds
+    moved = (2 if kind == "all-reduce" else 1) * (n - 1) / n * size
+    rows.append({"hardware": hardware, "kind": kind, "gpus": f"{n1} x {n2} nodes",
+                 "published": published, "predicted": moved / t / 1e9, "source": source})
+  return rows
+
+
+def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str:
   lines = [
       "## Published large runs: predicted vs measured throughput",
       "",
@@ -240,7 +276,8 @@ def render(rows: list[dict], hardware: str) -> str:
         "",
         "Each row's model, GPUs, global batch and card, and no plan: the ILP agent (`ilp:60`, "
         "as `shardzero evaluate` runs it) on a mesh of nodes x 8 GPUs, the card's memory as "
-        "the budget (`python benchmarks/published.py --ilp`).",
+        "the budget (`python benchmarks/published.py --ilp`; a run without --ilp prices the "
+        "plans it found under the cost model as it is).",
         "",
         "| model | GPUs | published plan: predicted s, TFLOP/s, peak | ILP plan | ILP: predicted s, "
         "TFLOP/s, peak | ILP / published plan | solve s |",
@@ -253,6 +290,18 @@ def render(rows: list[dict], hardware: str) -> str:
           f"{i['step_time_s']:.2f}, {i['tflops']:.0f}, {i['peak_gib']:.0f} GiB"
           f"{'' if i['fits'] else ' (over)'} | {i['step_time_s'] / r['step_time_s']:.2f} | "
           f"{i['decide_s']:.0f} |")
+  if collectives:
+    lines += [
+        "",
+        "### Collectives: bus bandwidth of 1 GiB, predicted vs published (nccl-tests)",
+        "",
+        "| hardware | collective | GPUs | published GB/s | predicted | predicted / published | "
+        "source |",
+        "|---|---|---|---:|---:|---:|---|"]
+    for c in collectives:
+      lines.append(f"| {c['hardware']} | {c['kind']} | {c['gpus']} | {c['published']:.0f} | "
+                   f"{c['predicted']:.0f} | {c['predicted'] / c['published']:.2f} | "
+                   f"{c['source']} |")
   zero3 = [r for r in rows if r["plan"] == "ZeRO-3" and r["predicted_tflops"] is not None]
   if zero3:
     steps = ", ".join(f"{r['step_time_s'] * r['ratio']:.0f}" for r in zero3)
@@ -300,10 +349,18 @@ def main(argv=None) -> int:
                       help="also run the ILP agent without the plan on each unpipelined "
                            "Table 1 row (about a minute a row)")
   args = parser.parse_args(argv)
+  out = ROOT / args.json
+  before = {}
+  if out.exists() and not args.ilp:
+    before = {(r["table"], r["model"], r["gpus"]): r["ilp"]
+              for r in json.loads(out.read_text())["rows"] if r.get("ilp")}
   rows = []
   for run in RUNS:
     rows.append(predict(run, args.hardware))
     r = rows[-1]
+    found = before.get((run.table, run.params, run.gpus))
+    if found:
+      r["ilp"] = repriced(run, found, args.hardware)
     if args.ilp and run.table == "1" and run.p == 1:
       r["ilp"] = search(run, args.hardware, 60)
       print(f"{run.params:>8} ILP: {r['ilp']['schedule']} {r['ilp']['step_time_s']:.2f} s "
@@ -312,11 +369,12 @@ def main(argv=None) -> int:
         f"{r['predicted_tflops']:.0f} ({r['ratio']:.2f}x, {r['seconds']:.0f} s)")
     print(f"{run.params:>8} {run.plan:<22} {run.gpus:>5} GPUs: published "
           f"{run.published:.0f}, predicted {got}", flush=True)
-  out = ROOT / args.json
-  out.write_text(json.dumps({"hardware": args.hardware, "rows": rows}, indent=2) + "\n")
+  collectives = collective_rows()
+  out.write_text(json.dumps({"hardware": args.hardware, "rows": rows,
+                             "collectives": collectives}, indent=2) + "\n")
   md = ROOT / args.markdown
   md.write_text(with_section(md.read_text() if md.exists() else "",
-                             render(rows, args.hardware)))
+                             render(rows, args.hardware, collectives)))
   print(f"wrote {out} and {md}")
   return 0
 

@@ -136,12 +136,12 @@ def _nccl(kind: str, nbytes: float, group: Group, hw: Hardware) -> CollectiveTim
 
 def collective_time(kind: str, nbytes: float, group: Group, hw: Hardware) -> CollectiveTime:
   """Seconds for one collective of `nbytes` per device (the larger side) over `group`."""
-  eff = hw.efficiency["collective"]
-  n1, n2 = group.intra, group.inter
   if group.size <= 1:
     return CollectiveTime(0.0, "none")
   if hw.collectives == "nccl":
     return _nccl(kind, nbytes, group, hw)
+  eff = hw.efficiency["collective"]
+  n1, n2 = group.intra, group.inter
   if n2 == 1:
     return _one_level(kind, nbytes, n1, hw.intra, eff)
   if n1 == 1:
