@@ -69,9 +69,19 @@ def _ancestors(program: Program, targets) -> set[int]:
 
 
 @per_program
+def loss_outputs(program: Program) -> tuple[int, ...]:
+  """The outputs that are not state (loss, metrics), less those computed from constants only:
+  a Flax `TrainState` whose step count is a Python int returns `step + 1`, which no input
+  reaches, and a step that returns only its state is no less without a loss for it."""
+  inputs = set(program.inputs)
+  return tuple(v for i, v in enumerate(program.outputs)
+               if i not in program.aliases and inputs & _ancestors(program, [v]))
+
+
+@per_program
 def roles(program: Program) -> Roles:
   state = program.aliased
-  loss = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
+  loss = list(loss_outputs(program))
   read_by_loss = _ancestors(program, loss)
   new_params = [o for v in state if v in read_by_loss for o in state[v]]
   read_by_update = _ancestors(program, new_params)
@@ -153,7 +163,7 @@ def forward_ops(program: Program) -> frozenset[int]:
   everything = frozenset(range(len(program.ops)))
   if not program.aliases:
     return everything
-  targets = [v for i, v in enumerate(program.outputs) if i not in program.aliases]
+  targets = loss_outputs(program)
   if not targets:
     backward = _seeded_ops(program)
     return everything - backward if backward else everything

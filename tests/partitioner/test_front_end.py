@@ -202,6 +202,34 @@ def test_a_step_that_returns_only_its_new_state_has_a_forward_pass():
   assert verify(pp, args).ok
 
 
+def test_a_train_state_step_that_returns_only_the_state_has_a_forward_pass():
+  """`return state.apply_gradients(grads=grads)` with a Flax TrainState whose step is a Python
+  int: the new step count is an output that is not state, but no input reaches it, so it is
+  not taken for the loss; the forward pass comes from the gradient's seed, and Megatron splits
+  the pair and verifies."""
+  from flax.training import train_state
+
+  def apply(params, x):
+    return jax.nn.relu(x @ params["w1"]) @ params["w2"]
+
+  def step(state, batch):
+    grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, batch["x"]) - batch["y"]) ** 2))(
+        state.params)
+    return state.apply_gradients(grads=grads)
+
+  key1, key2 = jax.random.split(jax.random.PRNGKey(0))
+  params = {"w1": jax.random.normal(key1, (64, 256)) * 0.1,
+            "w2": jax.random.normal(key2, (256, 64)) * 0.1}
+  state = train_state.TrainState.create(apply_fn=apply, params=params, tx=optax.sgd(0.1))
+  args = (state, {"x": jnp.ones((32, 64)), "y": jnp.zeros((32, 64))})
+  program = P.trace(step, *args)
+  assert R.loss_outputs(program) == () and len(program.outputs) > len(program.aliases)
+  pp = P.apply(program, "batch=4,model=2", "BatchParallel(batch); Megatron(model)")
+  assert pp.sharding("state/params/w1").dims == ((), ("model",))
+  assert pp.sharding("state/params/w2").dims == (("model",), ())
+  assert verify(pp, args).ok
+
+
 def test_bfloat16_data_is_data():
   """bfloat16 is NumPy kind "V", as typed PRNG keys are: a bfloat16 batch is still the data
   that BatchParallel splits."""
