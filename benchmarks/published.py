@@ -50,7 +50,9 @@ GiB = 1 << 30
 
 class Run(NamedTuple):
   """One published run: the model, the plan (t, p, d; ZeRO-3 over all GPUs when `zero3`),
-  the global batch and the measured TFLOP/s per GPU."""
+  the global batch, the measured TFLOP/s per GPU, and the micro-batch size and layers per
+  virtual (interleaved) stage the paper's scripts ran it with (`examples/sc21/run_table_1.sh`
+  in NVIDIA/Megatron-LM; 0: not interleaved)."""
   table: str
   params: str
   layers: int
@@ -61,6 +63,8 @@ class Run(NamedTuple):
   d: int
   batch: int
   published: float
+  mbs: int = 1
+  virtual_layers: int = 0
   zero3: bool = False
 
   @property
@@ -68,21 +72,31 @@ class Run(NamedTuple):
     return self.t * self.p * self.d
 
   @property
+  def microbatches(self) -> int:
+    """Micro-batches a data-parallel rank streams per step."""
+    return self.batch // (self.d * self.mbs)
+
+  @property
   def plan(self) -> str:
-    return "ZeRO-3" if self.zero3 else f"t={self.t}, p={self.p}, d={self.d}"
+    if self.zero3:
+      return "ZeRO-3"
+    m = self.microbatches
+    return (f"t={self.t}, p={self.p}, d={self.d}" + (f", {m} x {self.mbs}" if m > 1 else "")
+            + (f", {self.layers // self.p // self.virtual_layers} virtual"
+               if self.virtual_layers else ""))
 
 
 RUNS = [
-    Run("1", "1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
-    Run("1", "3.6B", 30, 3072, 32, 2, 1, 32, 512, 138),
-    Run("1", "7.5B", 36, 4096, 32, 4, 1, 32, 512, 142),
-    Run("1", "18.4B", 40, 6144, 48, 8, 1, 32, 1024, 135),
-    Run("1", "39.1B", 48, 8192, 64, 8, 2, 32, 1536, 138),
-    Run("1", "76.1B", 60, 10240, 80, 8, 4, 32, 1792, 140),
-    Run("1", "145.6B", 80, 12288, 96, 8, 8, 24, 2304, 148),
-    Run("1", "310.1B", 96, 16384, 128, 8, 16, 15, 2160, 155),
-    Run("1", "529.6B", 105, 20480, 128, 8, 35, 9, 2520, 163),
-    Run("1", "1008.0B", 128, 25600, 160, 8, 64, 6, 3072, 163),
+    Run("1", "1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, mbs=16),
+    Run("1", "3.6B", 30, 3072, 32, 2, 1, 32, 512, 138, mbs=16),
+    Run("1", "7.5B", 36, 4096, 32, 4, 1, 32, 512, 142, mbs=16),
+    Run("1", "18.4B", 40, 6144, 48, 8, 1, 32, 1024, 135, mbs=8),
+    Run("1", "39.1B", 48, 8192, 64, 8, 2, 32, 1536, 138, mbs=4),
+    Run("1", "76.1B", 60, 10240, 80, 8, 4, 32, 1792, 140, mbs=2, virtual_layers=5),
+    Run("1", "145.6B", 80, 12288, 96, 8, 8, 24, 2304, 148, mbs=2, virtual_layers=5),
+    Run("1", "310.1B", 96, 16384, 128, 8, 16, 15, 2160, 155, mbs=1, virtual_layers=3),
+    Run("1", "529.6B", 105, 20480, 128, 8, 35, 9, 2520, 163, mbs=1, virtual_layers=1),
+    Run("1", "1008.0B", 128, 25600, 160, 8, 64, 6, 3072, 163, mbs=1),
     Run("2", "174.6B", 96, 12288, 96, 1, 1, 384, 1536, 144, zero3=True),
     Run("2", "174.6B", 96, 12288, 96, 1, 1, 768, 1536, 88, zero3=True),
     Run("2", "174.6B", 96, 12288, 96, 1, 1, 1536, 1536, 44, zero3=True),
@@ -167,20 +181,24 @@ def traced(layers: int, hidden: int, heads: int, batch: int):
 
 def schedule(run: Run) -> tuple[str, str]:
   """The published plan as (mesh, tactics): tensor parallelism inside a node (the minor axis)
-  with vocabulary-parallel embeddings, data parallelism across; or ZeRO-3 over every GPU."""
+  with vocabulary-parallel embeddings, data parallelism across, pipeline stages outermost (as
+  Megatron-LM orders its ranks), each data-parallel rank's batch streamed in micro-batches of
+  the published size; or ZeRO-3 over every GPU."""
   if run.zero3:
     return f"data={run.d}", "BatchParallel(data); ZeRO(data, stage=3)"
+  m = run.microbatches
+  first = (f"Pipeline(pipe, stages={run.p}, microbatches={m}); " if run.p > 1 else
+           f"Microbatch({m}); " if m > 1 else "")
+  mesh = (f"pipe={run.p}," if run.p > 1 else "") + f"data={run.d}"
   if run.t == 1:
-    return f"data={run.d}", "BatchParallel(data)"
-  return (f"data={run.d},model={run.t}",
-          "BatchParallel(data); Megatron(model); EmbeddingSharding(model)")
+    return mesh, first + "BatchParallel(data)"
+  return (f"{mesh},model={run.t}",
+          first + "BatchParallel(data); Megatron(model); EmbeddingSharding(model)")
 
 
 def predict(run: Run, hardware: str) -> dict:
   row = {"table": run.table, "model": run.params, "plan": run.plan, "gpus": run.gpus,
          "batch": run.batch, "published_tflops": run.published, "source": SOURCE}
-  if run.p > 1:
-    return {**row, "predicted_tflops": None, "why": "needs pipeline parallelism (issue 52)"}
   start = time.perf_counter()
   mesh, tactics = schedule(run)
   pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), mesh, tactics)

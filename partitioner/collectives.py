@@ -20,6 +20,7 @@ ALL_REDUCE = "all-reduce"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_GATHER = "all-gather"
 ALL_TO_ALL = "all-to-all"
+COLLECTIVE_PERMUTE = "collective-permute"   # made by an op itself (`stage_shift`), not a reshard
 SLICE = "slice"
 KINDS = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, ALL_TO_ALL)
 

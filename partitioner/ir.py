@@ -167,6 +167,8 @@ class Program:
     self.source: tuple | None = None   # (function, loops) it was traced from (`tracing.retrace`)
     self.original: "Program | None" = None   # the program a rewrite made this one from
     self.microbatches = 1              # into how many micro-batches a step's batch is cut
+    self.stages = 1                    # into how many pipeline stages its layers are cut
+    self.stage_values: tuple = ()      # (value, dim) a pipeline's stage axis splits
     # Input / output position -> how the program holds it, where not as the user does
     # (`layouts.Interleaved`, `layouts.Padded`): `store_inputs` and `load_outputs` convert.
     self.layouts: dict[int, Any] = {}
@@ -326,9 +328,11 @@ class Program:
     self.run(env, on_result=on_result, bind_op=bind_op)
     return [env[v] for v in self.outputs]
 
-  def run(self, env: list, only=None, on_result=None, bind_op=None) -> None:
+  def run(self, env: list, only=None, on_result=None, bind_op=None, span=None) -> None:
     """Runs ops in program order on `env` (value id -> array), writing their results there.
-    `only`: the op indices to run (a loop runs whole when its enter op is among them)."""
+    `only`: the op indices to run (a loop runs whole when its enter op is among them);
+    `span`: (first, end), the ops first .. end-1 (a loop's body: its enter op's index + 1 and
+    its exit op's)."""
     bind_op = bind_op or (lambda op, args: bind(op, args, op.params))
     on_result = on_result or (lambda vid, x: x)
 
@@ -352,7 +356,9 @@ class Program:
                                                 iteration)):
         env[vid] = on_result(vid, x)
 
-    if only is None:
+    if span is not None:
+      walk(self, span[0], span[1], step, loop)
+    elif only is None:
       walk(self, 0, len(self.ops), step, loop)
     else:   # a loop runs whole when its enter op is chosen
       walk(self, 0, len(self.ops), lambda op: op.index in only and step(op),

@@ -320,8 +320,9 @@ PLANNED_READS = frozenset({"conv_general_dilated"})
 # where XLA's own choices part from the plan: it partitions a scatter into a batch-sharded
 # operand by also splitting the updates over the axes that replicate it and summing whole
 # results (for GPT-2's cross-entropy gradient a logits-sized all-reduce, 1.5 GiB per step),
-# and moves gathered rows with collective-permutes, where the plan indexes locally.
-ISLANDS = frozenset({"scatter-add", "scatter", "gather"})
+# and moves gathered rows with collective-permutes, where the plan indexes locally. A pipeline's
+# `stage_shift` moves one row to the neighbouring stage, as its local rule says.
+ISLANDS = frozenset({"scatter-add", "scatter", "gather", "stage_shift"})
 
 
 def _island(pp, op, mesh) -> Callable:

@@ -68,8 +68,8 @@ class Cut(NamedTuple):
   stacked: dict
 
 
-def _refuse(k: int, why: str):
-  raise ScheduleError(f"Microbatch({k}): {why}")
+def _refuse(what: str, why: str):
+  raise ScheduleError(f"{what}: {why}")
 
 
 def microbatch(program: Program, k: int) -> Program:
@@ -79,10 +79,10 @@ def microbatch(program: Program, k: int) -> Program:
   if k == 1:
     return program
   if program.microbatches > 1:
-    _refuse(k, "the program is cut into micro-batches already")
+    _refuse(f"Microbatch({k})", "the program is cut into micro-batches already")
   if program.source is None:
-    _refuse(k, "the program was not traced from a function (partitioner.trace), so it cannot "
-               "be traced again at a micro-batch's size")
+    _refuse(f"Microbatch({k})", "the program was not traced from a function (partitioner.trace), "
+                                "so it cannot be traced again at a micro-batch's size")
   return _microbatched(program, k)
 
 
@@ -93,23 +93,35 @@ def _microbatched(program: Program, k: int) -> Program:
   return _emit(program, small, cut, k)
 
 
-def _data(program: Program, k: int) -> tuple[list[int], int]:
+def batch_inputs(program: Program, k: int, what: str) -> tuple[list[int], int]:
+  """The data inputs a cut into `k` micro-batches splits, and the batch size."""
   picked, _ = R.batch_inputs(program, R.roles(program).data)
   if not picked:
-    _refuse(k, "the step has no data input (an argument other than params and optimizer state) "
-               "to cut")
+    _refuse(what, "the step has no data input (an argument other than params and optimizer "
+                  "state) to cut")
   n = program.values[picked[0]].shape[R.batch_dim(program, picked[0])]
   if n % k:
-    _refuse(k, f"a batch of {n} does not divide into {k} micro-batches")
+    _refuse(what, f"a batch of {n} does not divide into {k} micro-batches")
   return picked, n
 
 
-def _cut(program: Program, k: int) -> tuple[Cut, Program]:
-  from partitioner.tracing import retrace
+class BatchSums(NamedTuple):
+  """Where the batch goes in a step: per value, its dimension split over the examples
+  (`example`, None where it has none), whether it is computed from the data (`data`), whether
+  it is a partial sum over the batch (`partial`: value -> how partial sums combine), and the
+  ops that read a partial sum without being linear in it (`nonlinear`: batch statistics)."""
+  example: list
+  data: np.ndarray
+  partial: dict
+  nonlinear: set
+  plan: object
 
-  picked, n = _data(program, k)
+
+def batch_sums(program: Program, picked: list[int], k: int) -> BatchSums:
+  """The step partitioned over a mesh of one axis of `k` devices with data parallelism: a
+  micro-batch is data parallelism over time."""
   values, ops = program.values, program.ops
-  state = ShardingState(program, Mesh({AXIS: k}))   # data parallelism over the micro-batches
+  state = ShardingState(program, Mesh({AXIS: k}))
   for v in picked:
     state.tile(v, R.batch_dim(program, v), (AXIS,), 0)
   state.propagate(picked, 0)
@@ -141,6 +153,29 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     seeds, assumed = grown, kept
   else:   # no consistent assumption: assume nothing of the carries (a refusal, never a mistake)
     partial, nonlinear, zero = _partials(program, plan, data, consts, {})
+  return BatchSums(example, data, partial, nonlinear, plan)
+
+
+def retrace_small(program: Program, picked: list[int], n: int, k: int, what: str) -> Program:
+  """The step traced again at a micro-batch of n // k examples, op for op like `program`."""
+  from partitioner.tracing import retrace
+  try:
+    small = retrace(program, {
+        program.input_position(v): _cut_shape(program.values[v].shape, R.batch_dim(program, v),
+                                              k)
+        for v in picked})
+  except WorkloadError as e:
+    _refuse(what, f"the step does not trace at a micro-batch of {n // k} examples (does it fix "
+                  f"the batch size?): {e}")
+  _same_structure(program, small, what)
+  return small
+
+
+def _cut(program: Program, k: int) -> tuple[Cut, Program]:
+  what = f"Microbatch({k})"
+  picked, n = batch_inputs(program, k, what)
+  values, ops = program.values, program.ops
+  example, data, partial, nonlinear, plan = batch_sums(program, picked, k)
 
   # The ops run per micro-batch: those that read the data and make something split over the
   # batch or partial over it, and those that make something of the batch's size without
@@ -176,13 +211,13 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     op = ops[i]
     if i in nonlinear:
       v = next(v for v in op.inputs if v in partial)
-      _refuse(k, f"op #{i} ({op.name}) needs {describe(v)}, a sum over the whole batch, "
-                 "before the step's per-example work is done (a batch statistic: a batch-norm "
-                 "mean, a load-balancing loss of batch means): micro-batches cannot be computed "
-                 "apart")
+      _refuse(what, f"op #{i} ({op.name}) needs {describe(v)}, a sum over the whole batch, "
+                    "before the step's per-example work is done (a batch statistic: a batch-norm "
+                    "mean, a load-balancing loss of batch means): micro-batches cannot be computed "
+                    "apart")
     if op.name in _RANDOM:
-      _refuse(k, f"op #{i} ({op.name}) draws random numbers inside the per-example part; they "
-                 "would repeat in every micro-batch")
+      _refuse(what, f"op #{i} ({op.name}) draws random numbers inside the per-example part; they "
+                    "would repeat in every micro-batch")
 
   # Constants the loop alone reads (zeros a scatter adds into, an iota) are made in it, where
   # XLA fuses them into their readers, rather than kept in buffers across the loop.
@@ -210,23 +245,16 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
       p = producer[v]
       if p is not None and p not in pre:
         if p in body:
-          _refuse(k, f"op #{i} ({ops[i].name}) is computed from a sum over the whole batch and "
-                     "read back by the per-example work (a batch statistic): micro-batches "
-                     "cannot be computed apart")
+          _refuse(what, f"op #{i} ({ops[i].name}) is computed from a sum over the whole batch and "
+                        "read back by the per-example work (a batch statistic): micro-batches "
+                        "cannot be computed apart")
         stack.append(p)
     grown = set(pre)
     _close_regions(program, grown)
     stack.extend(grown - pre)
   post = frozenset(range(len(ops))) - body - pre
 
-  try:
-    small = retrace(program, {
-        program.input_position(v): _cut_shape(values[v].shape, R.batch_dim(program, v), k)
-        for v in picked})
-  except WorkloadError as e:
-    _refuse(k, f"the step does not trace at a micro-batch of {n // k} examples (does it fix the "
-               f"batch size?): {e}")
-  _same_structure(program, small, k)
+  small = retrace_small(program, picked, n, k, what)
   svals = small.values
 
   def dim_of(v) -> int | None:
@@ -236,8 +264,8 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     if not diff:
       return None
     if len(diff) > 1 or a[diff[0]] != n or b[diff[0]] * k != n:
-      _refuse(k, f"{describe(v)} carries the batch merged with other dimensions "
-                 f"({list(a)} at the full batch, {list(b)} at a micro-batch)")
+      _refuse(what, f"{describe(v)} carries the batch merged with other dimensions "
+                    f"({list(a)} at the full batch, {list(b)} at a micro-batch)")
     return diff[0]
 
   invariant, split = [], {}
@@ -258,12 +286,12 @@ def _cut(program: Program, k: int) -> tuple[Cut, Program]:
     if example[v] is not None:
       stacked[v] = dim_of(v)
       if stacked[v] is None:
-        _refuse(k, f"{describe(v)} is split over the batch but does not change with it")
+        _refuse(what, f"{describe(v)} is split over the batch but does not change with it")
     elif v in partial:
       summed[v] = partial[v]
     else:
-      _refuse(k, f"{describe(v)} is made per micro-batch but is neither per example nor a sum "
-                 "over the batch")
+      _refuse(what, f"{describe(v)} is made per micro-batch but is neither per example nor a sum "
+                    "over the batch")
   cut = Cut(frozenset(body), frozenset(pre), post, tuple(invariant), split, summed, stacked)
   return cut, small
 
@@ -345,16 +373,16 @@ def _cut_shape(shape, dim: int, k: int) -> tuple[int, ...]:
   return tuple(s // k if d == dim else s for d, s in enumerate(shape))
 
 
-def _same_structure(full: Program, small: Program, k: int) -> None:
+def _same_structure(full: Program, small: Program, what: str) -> None:
   if len(full.ops) != len(small.ops) or len(full.values) != len(small.values) or any(
       a.name != b.name or len(a.inputs) != len(b.inputs) or len(a.outputs) != len(b.outputs)
       for a, b in zip(full.ops, small.ops)):
-    _refuse(k, "the step traces differently at a micro-batch's size (it branches on the batch "
-               "size), so its ops cannot be matched")
+    _refuse(what, "the step traces differently at a micro-batch's size (it branches on the batch "
+                  "size), so its ops cannot be matched")
   for a, b in zip(full.ops, small.ops):
     if any(x != y for x, y in zip(a.inputs + a.outputs, b.inputs + b.outputs)):
-      _refuse(k, "the step traces differently at a micro-batch's size (its values differ), so "
-                 "its ops cannot be matched")
+      _refuse(what, "the step traces differently at a micro-batch's size (its values differ), so "
+                    "its ops cannot be matched")
 
 
 def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
@@ -385,7 +413,7 @@ def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
     for vid, x in zip(program.inputs, flat):
       env[vid] = x
     program.run(env, only=cut.pre)
-    xs = [_strided(env[v], d, k) for v, d in split]
+    xs = [strided(env[v], d, k) for v, d in split]
     outside = [env[v] for v in cut.invariant]
     init = [jnp.zeros(values[v].shape, wide(values[v].dtype)) for v, _ in summed]
 
@@ -409,7 +437,7 @@ def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
     for (v, _), c in zip(summed, carry):
       env[v] = c.astype(values[v].dtype)
     for (v, d), y in zip(stacked, ys):
-      env[v] = _unstrided(y, d)
+      env[v] = unstrided(y, d)
     program.run(env, only=cut.post)
     return [jnp.asarray(env[v]) for v in program.outputs]
 
@@ -430,14 +458,14 @@ def _combine(kind: str, a, b):
   return a + b if kind == "sum" else jnp.maximum(a, b) if kind == "max" else jnp.minimum(a, b)
 
 
-def _strided(x, dim: int, k: int):
+def strided(x, dim: int, k: int):
   """Micro-batch i of `x` at index i: rows i, i+k, i+2k... of dimension `dim`."""
   import jax.numpy as jnp
   shape = x.shape[:dim] + (x.shape[dim] // k, k) + x.shape[dim + 1:]
   return jnp.moveaxis(x.reshape(shape), dim + 1, 0)
 
 
-def _unstrided(y, dim: int):
+def unstrided(y, dim: int):
   """The inverse of `_strided`: micro-batches stacked at index 0 back in their rows."""
   import jax.numpy as jnp
   y = jnp.moveaxis(y, 0, dim + 1)

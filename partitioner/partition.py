@@ -60,9 +60,13 @@ class PartitionedProgram:
     if tactics and isinstance(tactics[0], ProgramRewrite) and not self.schedule:
       start = time.perf_counter()
       program = tactics[0].rewrite(self.program)
-      report = TacticReport(str(tactics[0]), (), 0, (tactics[0].describe(program),),
+      state = ShardingState(program, self.mesh)
+      ctx = TacticContext(state, 0, solver=solver)
+      tactics[0].shard(ctx)
+      report = TacticReport(str(tactics[0]), tuple(ctx.targets), ctx.visits,
+                            (tactics[0].describe(program),) + tuple(ctx.notes),
                             time.perf_counter() - start)
-      return PartitionedProgram(program, self.mesh, schedule=tactics[:1],
+      return PartitionedProgram(program, self.mesh, state, schedule=tactics[:1],
                                 reports=[report]).apply(tactics[1:], solver)
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)

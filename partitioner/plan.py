@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from partitioner.collectives import SLICE, Collective, Step, reshard_steps, result_writes
+from partitioner.collectives import (COLLECTIVE_PERMUTE, SLICE, Collective, Step, reshard_steps,
+                                     result_writes)
 from partitioner.factors import REDUCE_OF_KIND, join_dim
-from partitioner.ir import SCAN_EXIT
+from partitioner.ir import SCAN_EXIT, per_program
 from partitioner.partial_sums import NOTHING_HELD, Held, defer
 from partitioner.propagation import ShardingState, priority_order
 from partitioner.roles import forward_ops
@@ -76,6 +77,12 @@ class Plan(NamedTuple):
 def _dims(dfs, fac_axes, fsizes, mesh) -> Dims:
   return tuple(() if not fl else fac_axes[fl[0]] if len(fl) == 1 else
                join_dim(fl, fac_axes, fsizes, mesh) for fl in dfs)
+
+
+@per_program
+def shift_ops(program) -> tuple[int, ...]:
+  """The ops that communicate by themselves: `stage_shift`s (a pipeline's hand-over)."""
+  return tuple(op.index for op in program.ops if op.name == "stage_shift")
 
 
 def _record(collectives, steps, vid, op, copy=-1):
@@ -195,8 +202,14 @@ def make_plan(state: ShardingState, base: Plan | None = None, deferral: bool = T
   writes_of = memo.get("writes")   # per op: (its plan, the collectives and staged results)
   if writes_of is None:
     writes_of = memo["writes"] = [None] * len(program_ops)
-  for i in communicating:
+  shifts = shift_ops(program)
+  for i in (sorted(set(communicating).union(shifts)) if shifts else communicating):
     op, op_plan = program_ops[i], ops[i]
+    if shifts and op.name == "stage_shift":
+      from partitioner.rules.shift import crossing
+      axes, nbytes = crossing(op, values[op.inputs[0]], op_plan.operand_dims[0], state.sizes)
+      if axes:
+        collectives.append(Collective(COLLECTIVE_PERMUTE, axes, nbytes, op.outputs[0], i))
     for k in op_plan.reads:
       vid, want = op.inputs[k], op_plan.operand_dims[k]
       at = last = i

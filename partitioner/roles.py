@@ -223,8 +223,8 @@ def depends_on(program: Program, sources: tuple[int, ...]) -> frozenset[int]:
 
 def param_source(program: Program, vid: int, params: frozenset[int]):
   """If `vid` is a parameter seen through casts, transposes and slices of a stacked parameter
-  (one layer of `lax.scan` over stacked weights, unrolled or in a loop's body): (param, dim
-  map), else None."""
+  (one layer of `lax.scan` over stacked weights, unrolled or in a loop's body; its layers cut
+  into pipeline stages): (param, dim map), else None."""
   dims = list(range(program.values[vid].rank))
   while vid not in params:
     p = program.values[vid].producer
@@ -244,6 +244,10 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
     elif op.name == "squeeze":
       kept = [d for d in range(src.rank) if d not in op.params["dimensions"]]
       dims = [kept[d] for d in dims]
+      vid = op.inputs[0]
+    elif (op.name == "reshape" and src.rank and program.values[vid].rank == src.rank + 1
+          and program.values[vid].shape[2:] == src.shape[1:]):   # layers cut into stages
+      dims = [max(d - 1, 0) for d in dims]
       vid = op.inputs[0]
     elif op.name == "scan_enter" and op.outputs.index(vid) >= op.params["num_carry"]:
       vid = op.inputs[op.outputs.index(vid)]   # one iteration's slice of a stacked input

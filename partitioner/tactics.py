@@ -118,6 +118,9 @@ class ProgramRewrite(Tactic):
     """What the rewrite made of the program, for the tactic's report."""
     return repr(program)
 
+  def shard(self, ctx: TacticContext) -> None:
+    """Tiles what the rewritten program must have split (a pipeline's stages)."""
+
   def apply(self, ctx):
     raise ScheduleError(f"{self} rewrites the program the other tactics shard: put it first in "
                         f"the schedule (it came after {format_schedule(ctx.schedule)})")
@@ -155,6 +158,38 @@ class Microbatch(ProgramRewrite):
   def describe(self, program) -> str:
     return (f"the per-example part runs {self.k} times a step on 1/{self.k} of the batch; the "
             f"loss and gradients are summed, the update applied once")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Pipeline(ProgramRewrite):
+  """Pipeline parallelism: the layer stack cut into `stages` stages of consecutive layers, one
+  per slice of `axis`, that `microbatches` micro-batches stream through in GPipe's order
+  (partitioner/pipeline.py). Weights and optimizer state of a layer live on its stage only;
+  activations cross stages in collective permutes; (S-1)/(M+S-1) of each stage's time is idle."""
+  axis: str
+  stages: int
+  microbatches: int
+  schedule: str = "gpipe"
+  name: ClassVar[str] = "Pipeline"
+
+  def rewrite(self, program):
+    from partitioner.pipeline import pipeline
+    return pipeline(program, self.stages, self.microbatches, self.schedule)
+
+  def describe(self, program) -> str:
+    s, m = self.stages, self.microbatches
+    return (f"{s} stages of the layer stack, {m} micro-batches in flight; the bubble is "
+            f"{s - 1}/{m + s - 1} of each stage's iterations")
+
+  def shard(self, ctx):
+    ctx.mesh.check_axis(self.axis)
+    n = ctx.mesh.size(self.axis)
+    if self.stages % n:
+      raise ScheduleError(f"{self}: {self.stages} stages do not divide over {self.axis}={n}")
+    for vid, dim in ctx.program.stage_values:
+      ctx.tile(vid, dim, self.axis)
+    ctx.propagate()
 
 
 @register

@@ -59,7 +59,7 @@ def op_factors(op, program) -> tuple[OpFactors, str | None]:
 
 # Register the rule families.
 from partitioner.rules import elementwise, dot_general, shapes, reductions, indexing, conv  # noqa: E402,F401
-from partitioner.rules import loops  # noqa: E402,F401
+from partitioner.rules import loops, shift  # noqa: E402,F401
 
 
 # Tracing turns every `scan` into straight-line code or a loop region (rules/loops.py), so only
