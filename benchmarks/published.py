@@ -187,7 +187,7 @@ def schedule(run: Run) -> tuple[str, str]:
   if run.zero3:
     return f"data={run.d}", "BatchParallel(data); ZeRO(data, stage=3)"
   m = run.microbatches
-  first = (f"Pipeline(pipe, stages={run.p}, microbatches={m}); " if run.p > 1 else
+  first = (f"Pipeline(pipe, stages={run.p}, microbatches={m}, schedule=1f1b); " if run.p > 1 else
            f"Microbatch({m}); " if m > 1 else "")
   mesh = (f"pipe={run.p}," if run.p > 1 else "") + f"data={run.d}"
   if run.t == 1:

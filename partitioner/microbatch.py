@@ -89,7 +89,7 @@ def microbatch(program: Program, k: int) -> Program:
 @per_program
 def _microbatched(program: Program, k: int) -> Program:
   """Made once per program and count: a search tries one cut under many schedules."""
-  cut, small = _cut(program, k)
+  cut, small = cut_step(program, k)
   return _emit(program, small, cut, k)
 
 
@@ -171,8 +171,10 @@ def retrace_small(program: Program, picked: list[int], n: int, k: int, what: str
   return small
 
 
-def _cut(program: Program, k: int) -> tuple[Cut, Program]:
-  what = f"Microbatch({k})"
+def cut_step(program: Program, k: int, what: str = "") -> tuple[Cut, Program]:
+  """Where the step is cut into `k` micro-batches, and the step traced at a micro-batch's size;
+  `what` names the tactic in refusals."""
+  what = what or f"Microbatch({k})"
   picked, n = batch_inputs(program, k, what)
   values, ops = program.values, program.ops
   example, data, partial, nonlinear, plan = batch_sums(program, picked, k)

@@ -5,7 +5,8 @@ A value whose producer would reduce it with one all-reduce over axes P is *held*
 instead when its only reader is linear in it and keeps it so: an add of values held partial
 over the same axes (the input gradient of separate Q, K and V projections, the gradient of a
 weight read twice such as a tied embedding), or a reshape, transpose, squeeze, copy,
-negation, same-width float conversion or local reduce_sum of it. The reader's result is
+negation, same-width float conversion or local reduce_sum of it, or a select of it and zeros
+(a pipeline's sums, kept for the stage that made them). The reader's result is
 then partial over P in its turn, and the all-reduce moves there. A tree of such ops is kept
 only where it saves: it joins two or more partial sums, or its root is smaller than the sum
 it started from. Everywhere else each sum is reduced by its producer, as before.
@@ -71,8 +72,8 @@ def _keeps_partial(op, values) -> bool:
   """Whether `op` is linear in its operands without growing them."""
   if len(op.outputs) != 1:
     return False
-  if op.name in JOINING:
-    return True
+  if op.name in JOINING or (op.name == "select_n" and len(op.inputs) == 3):
+    return True   # a select keeps a sum where its other case is zeros (checked by `defer`)
   if op.name not in PASSING or len(op.inputs) != 1:
     return False
   if op.name == "convert_element_type":
@@ -153,7 +154,19 @@ def links(program) -> tuple[dict, tuple, dict, dict]:
       link[c] = j
       carries[new] = _Carry(exit_.index, k, c, init)
       for w in ops[j].inputs:   # a sum cast up to be accumulated is held through the cast
-        _through_cast(program, w, link)
+        while values[w].producer is not None:   # and through selects of it and zeros
+          op = ops[values[w].producer]
+          if op.name == "convert_element_type":
+            _through_cast(program, w, link)
+          elif op.name != "select_n" or len(op.inputs) != 3:
+            break
+          else:
+            cases = [v for v in op.inputs[1:] if not _is_zeros(program, v)]
+            if len(cases) != 1:
+              break
+            w = cases[0]
+            continue
+          w = op.inputs[0]
   stacks = {}
   for r, region in enumerate(program.regions):
     exit_ = ops[region.exit]
@@ -236,15 +249,21 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
         trees[v] = None
         heapq.heappush(readers, link[out])
       continue
-    parts = [trees.get(v) for v in op.inputs]
+    summed = op.inputs
+    if op.name == "select_n":   # select(mask, zeros, sum): the sum where the mask says
+      summed = [v for v in op.inputs[1:] if trees.get(v) is not None]
+      if (len(summed) != 1 or op.inputs[0] in trees or
+          not all(_is_zeros(program, v) for v in op.inputs[1:] if v != summed[0])):
+        continue
+    parts = [trees.get(v) for v in summed]
     if None in parts:
       continue
     axes = {t.axes for t in parts} - {None}
     if (len(axes) != 1 or p.result[0].partial or p.result_steps[0] or any(p.operand_steps) or
-        any(link.get(v) != j for v in op.inputs)):
+        any(link.get(v) != j for v in summed)):
       continue
     out = op.outputs[0]
-    distinct = {v: trees[v] for v in op.inputs}
+    distinct = {v: trees[v] for v in summed}
     trees[out] = _Tree(axes.pop(), sum(t.leaves for t in distinct.values()),
                        sum(t.leaf_bytes for t in distinct.values()),
                        math.prod(local_shape(values[out].shape, state.dims[out], sizes)) *

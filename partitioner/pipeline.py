@@ -68,30 +68,33 @@ def pipeline(program: Program, stages: int, microbatches: int,
   if schedule not in SCHEDULES:
     raise ScheduleError(f"Pipeline schedule must be one of {', '.join(SCHEDULES)}, got "
                         f"{schedule!r}")
-  if schedule != "gpipe":
-    _refuse(what, f"the {schedule} schedule is not built: the step's backward pass is a loop of "
-                  "its own, after the forward one, so only GPipe's order (all forward micro-"
-                  "batches, then all backward) can be written as a rewrite of it")
+  if schedule == "interleaved":
+    _refuse(what, "the interleaved schedule (virtual stages) is not built; gpipe and 1f1b are")
   if program.microbatches > 1:
     _refuse(what, "the program is cut into micro-batches already; Pipeline streams its own")
   if program.source is None:
     _refuse(what, "the program was not traced from a function (partitioner.trace), so it "
                   "cannot be traced again at a micro-batch's size")
-  return _pipelined(program, stages, microbatches)
+  return _pipelined(program, stages, microbatches, schedule)
 
 
 @per_program
-def _pipelined(program: Program, stages: int, microbatches: int) -> Program:
-  what = f"Pipeline(stages={stages}, microbatches={microbatches})"
+def _pipelined(program: Program, stages: int, microbatches: int, schedule: str) -> Program:
+  what = f"Pipeline(stages={stages}, microbatches={microbatches}, schedule={schedule})"
   if not _stacks(program) and program.source[1] != "keep":
     program = _kept(program)   # the stack may have been unrolled: trace it as a loop
   if not _stacks(program):
     _refuse(what, "found no layer stack: the layers must be a loop over stacked weights "
                   "(lax.scan, hk.layer_stack, nn.scan) whose gradient is a loop too")
   picked, n = MB.batch_inputs(program, microbatches, what)
-  small = MB.retrace_small(program, picked, n, microbatches, what)
-  stack = _stack(program, small, picked, stages, microbatches, what)
-  out = _emit(program, small, stack, stages, microbatches)
+  if schedule == "gpipe":
+    small = MB.retrace_small(program, picked, n, microbatches, what)
+    stack = _stack(program, small, picked, stages, microbatches, what)
+    out = _emit(program, small, stack, stages, microbatches)
+  else:
+    cut, small = MB.cut_step(program, microbatches, what)
+    stack = _stack(program, small, picked, stages, microbatches, what)
+    out = _emit_1f1b(program, small, cut, stack, stages, microbatches, what)
   out.original = program
   out.microbatches = microbatches
   out.stages = stages
@@ -250,6 +253,61 @@ def _is_zero(program: Program, v: int) -> bool:
     v = op.inputs[0]
 
 
+
+def _small_consts(program: Program, small: Program) -> list:
+  """The micro-batch step's constants, the full step's where their shapes agree (1/batch)."""
+  consts = [None] * len(small.values)
+  for v in small.values:
+    if v.is_const:
+      full = program.values[v.id]
+      consts[v.id] = full.const if full.is_const and full.shape == v.shape else v.const
+  return consts
+
+
+def _wide(dtype):
+  """Where sums over micro-batches accumulate: float32 for narrower floats."""
+  import jax.numpy as jnp
+  return (np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating)
+          and np.dtype(dtype).itemsize < 4 else np.dtype(dtype))
+
+
+def _to_stages(x, S: int, Lp: int):
+  """[L, ...] -> [L/S, S, ...]: stage s holds layers s*L/S ... (s+1)*L/S - 1."""
+  import jax.numpy as jnp
+  return jnp.moveaxis(x.reshape((S, Lp) + x.shape[1:]), 0, 1)
+
+
+def _from_stages(x, L: int):
+  import jax.numpy as jnp
+  return jnp.moveaxis(x, 1, 0).reshape((L,) + x.shape[2:])
+
+
+def _slot_mask(x, s, S: int):
+  """Per slot of `x`'s leading (stage) dimension, whether it is slot `s`, broadcastable."""
+  from jax import lax
+  return (lax.iota(np.int32, S) == s).reshape((S,) + (1,) * (x.ndim - 1))
+
+
+def _layers(small: Program, region: Region, senv_base: list, carries, xs, Lp: int,
+            reverse: bool):
+  """One stage's layers on one micro-batch: the loop body of `small`, L/S times."""
+  from jax import lax
+  enter, exit_ = small.ops[region.enter], small.ops[region.exit]
+  n = region.num_carry
+  dtypes = [small.values[v].dtype for v in enter.outputs[:n]]
+
+  def layer(c, x):
+    senv = list(senv_base)
+    for vid, a in zip(enter.outputs, list(c) + list(x)):
+      senv[vid] = a
+    small.run(senv, span=(region.enter + 1, region.exit))
+    read = [senv[v] for v in exit_.inputs]
+    return ([lax.convert_element_type(a, d) for a, d in zip(read[:n], dtypes)],
+            read[n:len(read) - n])
+
+  c0 = [lax.convert_element_type(a, d) for a, d in zip(carries, dtypes)]
+  return lax.scan(layer, c0, xs, length=Lp, reverse=reverse)
+
 def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Program:
   """The pipelined step as a function, traced into the new program."""
   import jax
@@ -266,44 +324,14 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
   Lp = L // S
   nb_grads = len(exit_b.outputs) - nb
   needed = sorted({k for k in stack.backward_xs if k is not None})   # what the gradient reads
-  # The micro-batch step's constants are the full step's where their shapes agree.
-  consts = [None] * len(svals)
-  for v in svals:
-    if v.is_const:
-      full = values[v.id]
-      consts[v.id] = full.const if full.is_const and full.shape == v.shape else v.const
+  consts = _small_consts(program, small)
   made = sorted({values[u].producer for v in stack.invariants
                  for u in _ancestors(program, v) if values[u].producer is not None})
-  wide = lambda dtype: (np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating)
-                        and np.dtype(dtype).itemsize < 4 else np.dtype(dtype))
-
-  def to_stages(x):    # [L, ...] -> [L/S, S, ...]: stage s holds layers s*L/S ...
-    return jnp.moveaxis(x.reshape((S, Lp) + x.shape[1:]), 0, 1)
-
-  def from_stages(x):
-    return jnp.moveaxis(x, 1, 0).reshape((L,) + x.shape[2:])
-
-  def slot_mask(x, s):
-    shape = (S,) + (1,) * (x.ndim - 1)
-    return (lax.iota(np.int32, S) == s).reshape(shape)
-
-  def layers(region, senv_base, carries, xs, reverse):
-    """One stage's layers on one micro-batch: the loop body of `small`, L/S times."""
-    enter, exit_ = small.ops[region.enter], small.ops[region.exit]
-    n = region.num_carry
-    dtypes = [svals[v].dtype for v in enter.outputs[:n]]
-
-    def layer(c, x):
-      senv = list(senv_base)
-      for vid, a in zip(enter.outputs, list(c) + list(x)):
-        senv[vid] = a
-      small.run(senv, span=(region.enter + 1, region.exit))
-      read = [senv[v] for v in exit_.inputs]
-      return ([lax.convert_element_type(a, d) for a, d in zip(read[:n], dtypes)],
-              read[n:len(read) - n])
-
-    c0 = [lax.convert_element_type(a, d) for a, d in zip(carries, dtypes)]
-    return lax.scan(layer, c0, xs, length=Lp, reverse=reverse)
+  wide = _wide
+  to_stages = lambda x: _to_stages(x, S, Lp)
+  from_stages = lambda x: _from_stages(x, L)
+  slot_mask = lambda x, s: _slot_mask(x, s, S)
+  layers = lambda region, base, c, xs, reverse: _layers(small, region, base, c, xs, Lp, reverse)
 
   def step(*flat):
     env: list = [None] * len(values)
@@ -429,3 +457,296 @@ def _stage_values(program: Program, S: int, T: int, carries: tuple[int, int, int
     if all(program.values[v].shape[:1] == (S,) for v in init[:nb if r.reverse else nf]):
       out += [(v, 0 if j < (nb if r.reverse else nf) else 1) for j, v in enumerate(init)]
   return tuple(out)
+
+
+def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: int,
+               what: str) -> Program:
+  """The step with its whole per-example part in one pipeline, in 1F1B's order: micro-batch m
+  runs forward on stage s at iteration m + s, its loss and gradient at the last stage right
+  after, and backward on stage s at iteration m + 2(S-1) - s. Each stage holds the activations
+  of at most 2S-1 micro-batches (a ring it writes once per iteration and reads at its own
+  delay); no stage waits for the whole batch. The embedding (before the stack) runs on each
+  micro-batch as it enters and again as its gradient leaves; the head and loss (after it) on
+  the micro-batch leaving the last stage; their sums accumulate per stage, and are added up
+  over the stages once, after the loops. Two loops: S-1 iterations of forward work only,
+  then M+S-1 of all of it, the forward of the last S-1 on padding. The bubble is then
+  1F1B's, S-1 of M+S-1 iterations, and S-1 forward passes more."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from partitioner.shift import stage_shift
+  from partitioner.tracing import abstract_args, trace
+
+  ops, values, svals = program.ops, program.values, small.values
+  rf, rb = program.regions[stack.forward], program.regions[stack.backward]
+  enter_f, exit_f, enter_b, exit_b = (ops[rf.enter], ops[rf.exit], ops[rb.enter], ops[rb.exit])
+  nf, nb = rf.num_carry, rb.num_carry
+  L, T, D = rf.length, M + 2 * S - 2, 2 * S - 1
+  Lp = L // S
+  if rf.enter not in cut.body or rb.enter not in cut.body:
+    _refuse(what, "the layer stack does not run per example")
+  if cut.stacked:
+    v = next(iter(cut.stacked))
+    _refuse(what, f"{program.name(v)} is an output per example; the 1f1b schedule returns "
+                  "sums over the batch only")
+  head = frozenset(i for i in cut.body if rf.exit < i < rb.enter)
+  embed = frozenset(i for i in cut.body if i < rf.enter)
+  tail = {i for i in cut.body if i > rb.exit}
+  # A sum the head makes that the tail adds into a sum of its own (a tied embedding's two
+  # gradients) is joined after the loops: the add (and the casts to what leaves the body)
+  # runs once, on the two sums.
+  joined = []   # (ops of the join, the head's sum, the tail's sum)
+  for i in sorted(tail):
+    op = ops[i]
+    made_by = [values[v].producer for v in op.inputs]
+    if op.name in ("add", "add_any") and len(op.inputs) == 2 and (
+        sum(p in head for p in made_by) == 1 and sum(p in tail for p in made_by) == 1):
+      chain, w = [i], op.outputs[0]
+      while w not in cut.summed and len(program.users[w]) == 1 and ops[
+          program.users[w][0]].name in ("convert_element_type", "copy"):
+        chain.append(program.users[w][0])
+        w = ops[chain[-1]].outputs[0]
+      if w in cut.summed and cut.summed[w] == "sum":
+        h = op.inputs[made_by.index(next(p for p in made_by if p in head))]
+        joined.append((tuple(chain), h, next(v for v in op.inputs if v != h)))
+  tail -= {i for chain, _, _ in joined for i in chain}
+  for i in tail:
+    for v in ops[i].inputs:
+      if values[v].producer in head or (
+          values[v].producer == rb.exit and exit_b.outputs.index(v) < nb
+          and stack.backward_carries[exit_b.outputs.index(v)] is None):
+        _refuse(what, f"op #{i} ({ops[i].name}), after the gradient of the stack, reads "
+                      f"{program.name(v)}, a sum the pipeline makes across its stages")
+  for v, kind in cut.summed.items():
+    if kind != "sum":
+      _refuse(what, f"{program.name(v)} combines micro-batches by {kind}; the 1f1b schedule "
+                    "sums them")
+  group = {}   # summed value -> where it is made
+  joins = {ops[chain[-1]].outputs[0] for chain, _, _ in joined}
+  for v in [v for v in cut.summed if v not in joins] + [
+      x for _, h, w in joined for x in (h, w)]:
+    p = values[v].producer
+    if p == rb.exit:
+      k = exit_b.outputs.index(v)
+      group[v] = ("grad", k - nb) if k >= nb else ("carry", k)
+    elif p in head:
+      group[v] = ("head", None)
+    elif p in tail:
+      group[v] = ("tail", None)
+    elif p in embed:
+      group[v] = ("embed", None)
+    else:
+      _refuse(what, f"{program.name(v)}, a sum over the batch, is made inside the forward stack")
+  head_sums = [v for v in group if group[v][0] == "head"]
+  tail_sums = [v for v in group if group[v][0] == "tail"]
+  embed_sums = [v for v in group if group[v][0] == "embed"]
+  tail = frozenset(tail)
+  needed = sorted({k for k in stack.backward_xs if k is not None})
+  consts = _small_consts(program, small)
+  # What the stack reads from the per-example part of the step (masks, made of constants) is
+  # made once, at a micro-batch's size.
+  inputs = set(program.inputs)
+  made = set()
+  for v in _body_reads(program, rf) + _body_reads(program, rb):
+    if values[v].producer in cut.body:
+      if inputs & _ancestors(program, v):
+        _refuse(what, f"every layer reads {program.name(v)}, made from the step's inputs per "
+                      "micro-batch: streaming it with the micro-batches is not built")
+      made.update(values[u].producer for u in _ancestors(program, v)
+                  if values[u].producer is not None)
+  bdims = stack.backward_carries
+  split = list(cut.split.items())
+  to_stages = lambda x: _to_stages(x, S, Lp)
+  mask = lambda x, s: _slot_mask(x, s, S)
+  zero = lambda x: jnp.zeros((), x.dtype)
+
+  def step(*flat):
+    env: list = [None] * len(values)
+    for v in values:
+      if v.is_const:
+        env[v.id] = v.const
+    for vid, x in zip(program.inputs, flat):
+      env[vid] = x
+    program.run(env, only=cut.pre)
+    base = list(consts)   # what one micro-batch reads from outside
+    small.run(base, only=set(made))
+    for v in cut.invariant:
+      base[v] = env[v]
+
+    def pad(x, front):
+      back = T - M - front
+      return jnp.concatenate([jnp.zeros((front,) + x.shape[1:], x.dtype), x,
+                              jnp.zeros((back,) + x.shape[1:], x.dtype)])
+
+    data = [MB.strided(env[v], d, M) for v, d in split]
+    # Per iteration t: the data of the micro-batch entering (t), leaving the last stage
+    # (t - S + 1) and leaving the gradient of the first stage (t - 2S + 2).
+    xs = (jnp.arange(T), [pad(x, 0) for x in data], [pad(x, S - 1) for x in data],
+          [pad(x, 2 * S - 2) for x in data])
+    staged = {}   # a weight both stacks read is held per stage once
+    for v in list(enter_f.inputs[nf:]) + [v for v, k in zip(enter_b.inputs[nb:],
+                                                             stack.backward_xs) if k is None]:
+      if v not in staged:
+        staged[v] = to_stages(env[v])
+    weights_f = [staged[v] for v in enter_f.inputs[nf:]]
+    weights_b = [staged[v] for v, k in zip(enter_b.inputs[nb:], stack.backward_xs) if k is None]
+
+    def embedded(batch):
+      """The per-example work before the stack, on one micro-batch of data."""
+      senv = list(base)
+      for (v, _), x in zip(split, batch):
+        senv[v] = x
+      small.run(senv, only=embed)
+      return senv
+
+    def stage_forward(w, c):
+      c, ys = _layers(small, rf, base, c, w, Lp, reverse=False)
+      return c, [ys[k] for k in needed]
+
+    def stage_backward(w, res, c):
+      x, wi, ri = [], iter(w), iter(res)
+      for k in stack.backward_xs:
+        x.append(next(wi) if k is None else next(ri))
+      return _layers(small, rb, base, c, x, Lp, reverse=True)
+
+    def loss_and_gradient(out, batch):
+      """The per-example work between the stack and its gradient (the head, the loss and
+      their gradients), on one stage's slot: the gradient entering the stack, and sums."""
+      senv = embedded(batch)
+      for v, x in zip(exit_f.outputs[:nf], out):
+        senv[v] = x
+      small.run(senv, only=head)
+      return ([senv[v] for v, d in zip(enter_b.inputs[:nb], bdims) if d is not None],
+              [senv[v] for v in head_sums])
+
+    def after(grad_in, batch):
+      """The per-example work after the stack's gradient (the embedding's gradient)."""
+      senv = embedded(batch)
+      slots = iter(grad_in)
+      for v, d in zip(exit_b.outputs[:nb], bdims):
+        if d is not None:
+          senv[v] = next(slots)
+      small.run(senv, only=tail)
+      return [senv[v] for v in tail_sums]
+
+    def iteration(carry, x, forward: bool, both: bool, backward: bool):
+      fstate, cts, ring, (accs, grads, head_acc, tail_acc, embed_acc) = carry
+      t, entering, leaving, returning = x
+      if forward:
+        senv = embedded(entering)
+        valid = t < M
+        embed_acc = [a + jnp.where(valid, senv[v], zero(senv[v])).astype(a.dtype)
+                     for a, v in zip(embed_acc, embed_sums)]
+        fstate = [jnp.where(mask(s, 0), senv[v][None], stage_shift(s, 1))
+                  for s, v in zip(fstate, enter_f.inputs[:nf])]
+        fstate, kept = jax.vmap(stage_forward, in_axes=(1, 0))(weights_f, fstate)
+        ring = [lax.dynamic_update_slice_in_dim(r, k[:, :, None].astype(r.dtype), t % D, axis=2)
+                for r, k in zip(ring, kept)]
+      if both:
+        grad_out, made_ = jax.vmap(loss_and_gradient, in_axes=(0, None))(fstate, leaving)
+        valid = (t >= S - 1) & (t < M + S - 1)
+        last = lambda s: mask(s, S - 1) & valid
+        cts = [s + jnp.where(last(s), g.astype(s.dtype), zero(s)) for s, g in zip(cts, grad_out)]
+        head_acc = [a + jnp.where(last(m), m, zero(m)).astype(a.dtype)
+                    for a, m in zip(head_acc, made_)]
+      if backward:
+        when = (t - 2 * (S - 1 - lax.iota(np.int32, S))) % D   # each stage's own delay
+        res = [jax.vmap(lambda r, i: lax.dynamic_index_in_dim(r, i, 1, keepdims=False),
+                        out_axes=1)(r, when) for r in ring]
+        ci, ai = iter(cts), iter(accs)
+        state = [next(ci) if d is not None else next(ai) for d in bdims]
+        state, g = jax.vmap(stage_backward, in_axes=(1, 1, 0), out_axes=(0, 1))(
+            weights_b, res, state)
+        cts = [s for s, d in zip(state, bdims) if d is not None]
+        accs = [s for s, d in zip(state, bdims) if d is None]
+        grads = [a + y.astype(a.dtype) for a, y in zip(grads, g)]
+        valid = (t >= 2 * S - 2) & (t < T)
+        made_ = jax.vmap(after, in_axes=(0, None))(cts, returning)
+        first = lambda s: mask(s, 0) & valid
+        tail_acc = [a + jnp.where(first(m), m, zero(m)).astype(a.dtype)
+                    for a, m in zip(tail_acc, made_)]
+        cts = [stage_shift(jnp.where(mask(s, 0), zero(s), s), -1) for s in cts]
+      return (fstate, cts, ring, (accs, grads, head_acc, tail_acc, embed_acc)), None
+
+    sdt = lambda v: svals[v].dtype
+    fstate = [jnp.zeros((S,) + svals[v].shape, sdt(v)) for v in enter_f.outputs[:nf]]
+    cts = [jnp.zeros((S,) + svals[v].shape, sdt(v))
+           for v, d in zip(enter_b.outputs[:nb], bdims) if d is not None]
+    kept_f = [exit_f.inputs[nf + k] for k in needed]   # per layer, in the small step
+    # A stage between micro-batches runs backward on a zero gradient and slots of the ring no
+    # micro-batch wrote: they start as what its layers keep of a zero input, so that this
+    # work is finite and adds exactly zero (a variance of 0 would make inf times 0).
+    # The ring is [S, L/S, 2S-1, ...]: per stage, per layer of it, per slot.
+    _, kept0 = jax.vmap(stage_forward, in_axes=(1, 0))(weights_f, fstate)
+    ring = [jnp.broadcast_to(k[:, :, None], k.shape[:2] + (D,) + k.shape[2:]).astype(sdt(v))
+            for k, v in zip(kept0, kept_f)]
+
+    def sums(backward: bool = True):
+      """Sums over micro-batches, from zeros in each loop (so that each stays partial over
+      the data-parallel axes to its loop's end, and is reduced once), added up after; a
+      loop of forward work only makes none but the embedding's."""
+      if not backward:
+        return [], [], [], [], [jnp.zeros(values[v].shape, _wide(values[v].dtype))
+                                for v in embed_sums]
+      per_slot = lambda vs: [jnp.zeros((S,) + values[v].shape, _wide(values[v].dtype))
+                             for v in vs]
+      return ([jnp.zeros((S,) + svals[v].shape, _wide(sdt(v)))
+               for v, d in zip(enter_b.outputs[:nb], bdims) if d is None],
+              [jnp.zeros((Lp, S) + values[v].shape[1:], _wide(values[v].dtype))
+               for v in exit_b.outputs[nb:]],
+              per_slot(head_sums), per_slot(tail_sums),
+              [jnp.zeros(values[v].shape, _wide(values[v].dtype)) for v in embed_sums])
+
+    total = None
+    # S-1 iterations of forward work only, then M+S-1 of all of it (the last S-1 run the
+    # forward on padding: one loop keeps one set of sums, where a third loop of backward work
+    # only would hold a second set of gradients until the end).
+    phases = ((0, S - 1, (True, False, False)), (S - 1, T, (True, True, True)))
+    for lo, hi, (f, h, b) in phases:
+      if hi > lo:
+        part = jax.tree_util.tree_map(lambda a: a[lo:hi], xs)
+        (fstate, cts, ring, made_), _ = lax.scan(lambda c, x: iteration(c, x, f, h, b),
+                                                 (fstate, cts, ring, sums(b)), part,
+                                                 length=hi - lo)
+        total = made_ if total is None else made_[:4] + (
+            [a + e for a, e in zip(total[4], made_[4])],)
+    accs, grads, head_acc, tail_acc, embed_acc = total
+
+    acc_of = dict(zip([j for j, d in enumerate(bdims) if d is None], accs))
+    for v, (kind, k) in group.items():
+      if kind == "grad":
+        x = _from_stages(grads[k], L)
+      elif kind == "carry":
+        x = env[enter_b.inputs[k]] + acc_of[k].sum(0)
+      elif kind == "head":
+        x = head_acc[head_sums.index(v)].sum(0)
+      elif kind == "tail":
+        x = tail_acc[tail_sums.index(v)].sum(0)
+      else:
+        x = embed_acc[embed_sums.index(v)]
+      env[v] = x.astype(values[v].dtype)
+    program.run(env, only={i for chain, _, _ in joined for i in chain})
+    program.run(env, only=cut.post)
+    return [jnp.asarray(env[v]) for v in program.outputs]
+
+  def fn(*args):
+    outs = step(*program.flatten_args(args))
+    return jax.tree_util.tree_unflatten(program.out_tree, outs)
+
+  out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep",
+              layouts=False)
+  out.layouts, out.output_layouts = program.layouts, program.output_layouts
+  # The stage dimension of every carry of the two loops (per the carry's structure above).
+  n_accs = sum(d is None for d in bdims)
+  dims = ([0] * nf + [0] * (nb - n_accs) + [0] * len(needed) + [0] * n_accs
+          + [1] * len(exit_b.outputs[nb:]) + [0] * (len(head_sums) + len(tail_sums))
+          + [None] * len(embed_sums))
+  forward_only = dims[:nf + nb - n_accs + len(needed)] + [None] * len(embed_sums)
+  found = []
+  for r in out.regions:
+    for length, ds in ((S - 1, forward_only), (M + S - 1, dims)):
+      if r.parent < 0 and r.num_carry == len(ds) and r.length == length:
+        init = out.ops[r.enter].inputs[:r.num_carry]
+        found += [(v, d) for v, d in zip(init, ds) if d is not None]
+  out.stage_values = tuple(found)
+  return out

@@ -164,9 +164,12 @@ class Microbatch(ProgramRewrite):
 @dataclasses.dataclass(frozen=True)
 class Pipeline(ProgramRewrite):
   """Pipeline parallelism: the layer stack cut into `stages` stages of consecutive layers, one
-  per slice of `axis`, that `microbatches` micro-batches stream through in GPipe's order
-  (partitioner/pipeline.py). Weights and optimizer state of a layer live on its stage only;
-  activations cross stages in collective permutes; (S-1)/(M+S-1) of each stage's time is idle."""
+  per slice of `axis`, that `microbatches` micro-batches stream through (partitioner/
+  pipeline.py): in GPipe's order (the stack's forward for every micro-batch, then its
+  backward; the rest of the step on the whole batch) or in 1F1B's (the whole per-example step
+  in the pipeline; each stage keeps at most 2S-1 micro-batches' activations). Weights and
+  optimizer state of a layer live on its stage only; activations cross stages in collective
+  permutes; (S-1)/(M+S-1) of each stage's time is idle."""
   axis: str
   stages: int
   microbatches: int
@@ -179,7 +182,9 @@ class Pipeline(ProgramRewrite):
 
   def describe(self, program) -> str:
     s, m = self.stages, self.microbatches
-    return (f"{s} stages of the layer stack, {m} micro-batches in flight; the bubble is "
+    kept = f"at most {2 * s - 1}" if self.schedule == "1f1b" else f"all {m + s - 1}"
+    return (f"{s} stages of the layer stack, {m} micro-batches streamed in {self.schedule} "
+            f"order, each stage keeping {kept} micro-batches' activations; the bubble is "
             f"{s - 1}/{m + s - 1} of each stage's iterations")
 
   def shard(self, ctx):

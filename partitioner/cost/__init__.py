@@ -5,9 +5,10 @@
 # TPUs fuse as XLA:GPU does; 6: each GPU kernel launch costs `Hardware.kernel_launch_s`; 7: the
 # programs priced hold fused projections interleaved and odd vocabularies padded,
 # partitioner/layouts.py; 8: GPU collectives priced as NCCL runs them, its rings, trees,
-# protocols and latencies per step, partitioner/cost/communication.py), so that stored
-# evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 8
+# protocols and latencies per step, partitioner/cost/communication.py; 9: a gather reads the
+# rows it gathers and an update in place moves the update, not the whole buffer), so that
+# stored evaluations made with another model are redone rather than compared with these.
+COST_MODEL_VERSION = 9
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

@@ -106,6 +106,7 @@ class ProgramWork:
              if not self.internal[v] and scale[op.index]]
     self.write_op, self.write_value = (np.array(e, np.int64).reshape(-1) for e in zip(*edges)) \
         if edges else (np.zeros(0, np.int64),) * 2
+    self.write_scale = np.array([_write_scale(op, program) for op in ops], np.float64)
 
   @staticmethod
   @per_program
@@ -158,9 +159,20 @@ def _read_scale(op, program) -> float:
                               program.values[op.inputs[0]].size ==
                               program.values[op.outputs[0]].size):
     return 0.0
-  if op.name in ("slice", "dynamic_slice") and op.inputs and op.outputs:
-    size = program.values[op.inputs[0]].size
-    return program.values[op.outputs[0]].size / size if size else 1.0
+  if op.name in ("slice", "dynamic_slice", "gather") and op.inputs and op.outputs:
+    size = program.values[op.inputs[0]].size   # a gather reads the rows it gathers
+    return min(1.0, program.values[op.outputs[0]].size / size) if size else 1.0
+  if op.name == "dynamic_update_slice":   # in place: reads the update, not the buffer
+    size = sum(program.values[v].size for v in op.inputs[:2])
+    return program.values[op.inputs[1]].size / size if size else 1.0
+  return 1.0
+
+
+def _write_scale(op, program) -> float:
+  """The share of its results' bytes an op writes: an update in place writes the update."""
+  if op.name == "dynamic_update_slice":
+    size = program.values[op.outputs[0]].size
+    return program.values[op.inputs[1]].size / size if size else 1.0
   return 1.0
 
 
@@ -198,7 +210,7 @@ def op_cost(op, op_plan, w: OpWork, table, work: ProgramWork, dims, count) -> tu
       nbytes += value_bytes[vid] / _divisor(want, count) * work.read_scale[op.index]
   for vid in op.outputs:
     if not internal[vid] and work.read_scale[op.index]:
-      nbytes += value_bytes[vid] / _divisor(dims[vid], count)
+      nbytes += value_bytes[vid] / _divisor(dims[vid], count) * work.write_scale[op.index]
   return flops, nbytes
 
 

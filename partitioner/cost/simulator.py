@@ -242,7 +242,8 @@ class Simulator:
     scale = work.read_scale
     nbytes = (np.bincount(work.read_op, local[work.read_value] * scale[work.read_op],
                           minlength=n) +
-              np.bincount(work.write_op, local[work.write_value], minlength=n))
+              np.bincount(work.write_op, local[work.write_value] * work.write_scale[work.write_op],
+                          minlength=n))
     v = a.copy_value[a.read_copy]
     nbytes += np.bincount(a.read_op, np.where(work.internal[v], 0.0, work.value_bytes[v] /
                                               a.copy_pieces[a.read_copy] - local[v]) *
