@@ -6,8 +6,9 @@ with one axis, only the strategies that need no second axis remain; on a mesh of
 four axes, ZeRO also shards over only the innermost of them (hierarchical, as HSDP and
 MaxText's data x fsdp x tensor meshes do). A program of no corpus family gets the generic
 ones (`GENERIC`: data parallelism, ZeRO 1-3, HSDP, Megatron and their mixtures), which apply
-to any training step. These are the reference points that search and learned agents must
-match or beat, and what `propose` checks a policy's plan against.
+to any training step; where a step's layers are a scanned stack, pipelines over the outermost
+axis too (`pp+dp`, and Megatron-LM's `ptd-p`). These are the reference points that search and
+learned agents must match or beat, and what `propose` checks a policy's plan against.
 """
 
 from __future__ import annotations
@@ -70,20 +71,28 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("gshard+hzero2", "GShard with optimizer state and gradients sharded over the "
              "model axis (DeepSpeed-MoE's expert parallelism with ZeRO-2)",
              lambda d, m: _gshard(d, m) + [f"ZeRO({m}, stage=2)"]),
+    Strategy("pp+dp", "pipeline stages over the outermost axis (1F1B, four micro-batches a "
+             "stage), data parallel over the others",
+             lambda d, m: [f"Pipeline({d[0]})"] + _bp((*d[1:], m))),
+    Strategy("ptd-p", "Megatron-LM's PTD-P: pipeline stages over the outermost axis, data "
+             "parallel over the middle ones, Megatron tensor parallel over the model axis",
+             lambda d, m: [f"Pipeline({d[0]})"] + _bp(d[1:]) + [f"Megatron({m})"]),
 )}
 
 _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
 _TENSOR = ("megatron", "dp+megatron", "dp+megatron+zero1", "dp+megatron+zero3")
 _VOCAB = ("dp+megatron+vocab",)
 _EXPERT = ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2")
+# Steps whose layers are a scanned stack (the others refuse in one line, before any work).
+_PIPELINE = ("pp+dp", "ptd-p")
 # What applies to any training step: the roles (parameters, optimizer state, data) come from
 # its dataflow, and Megatron finds its pairs of matmuls in any idiom (or does not apply).
-GENERIC = _DATA + _TENSOR
+GENERIC = _DATA + _TENSOR + _PIPELINE
 
 # The strategies an expert would try for each family.
 FAMILY_STRATEGIES: dict[str, tuple[str, ...]] = {
     "mlp": _DATA + _TENSOR,
-    "gpt": _DATA + _TENSOR + _VOCAB + ("dp+sp",),
+    "gpt": _DATA + _TENSOR + _VOCAB + ("dp+sp",) + _PIPELINE,
     "bert": _DATA + _TENSOR + _VOCAB,
     "vit": _DATA + _TENSOR,
     "resnet": _DATA,

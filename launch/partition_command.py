@@ -34,6 +34,10 @@ Tactics (separated by ';'):
                                  run) choose tactics over AXES (model, batch+model)
   Microbatch(K)                  gradient accumulation: the batch cut into K micro-batches
                                  run in a loop (first in the schedule; activations shrink)
+  Pipeline(AXIS[, stages=S, microbatches=M, schedule=1f1b|gpipe])
+                                 pipeline stages of a scanned layer stack over AXIS (one
+                                 per device; M micro-batches, 4 a stage by default; first
+                                 in the schedule)
 """
 
 EXAMPLES = """\
@@ -45,6 +49,8 @@ examples:
       --tactics "BatchParallel(batch); Auto(model, agent=mcts, budget=50)"
   shardzero partition gpt:mini --mesh batch=2,model=4 \\
       --tactics "Microbatch(4); BatchParallel(batch); Megatron(model)"
+  shardzero partition gpt:small,scan=true --mesh pipe=2,batch=2,model=2 \\
+      --tactics "Pipeline(pipe, microbatches=4); BatchParallel(batch); Megatron(model)" --verify
 """
 
 

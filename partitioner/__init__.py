@@ -8,7 +8,8 @@ from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram, apply
 from partitioner.sharding import Sharding
 from partitioner.tactics import (Auto, BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 Microbatch, Replicate, SequenceParallel, Tactic, Tile, ZeRO, parse_schedule)
+                                 Microbatch, Pipeline, Replicate, SequenceParallel, Tactic, Tile, ZeRO,
+                                 parse_schedule)
 from partitioner.tracing import trace
 
 
@@ -27,7 +28,7 @@ def to_jax_shardings(partitioned, jax_mesh=None):
 __all__ = [
     "Auto", "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
     "Microbatch",
-    "Op", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
+    "Op", "Pipeline", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
     "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "Tactic", "Tile", "Value",
     "WorkloadError", "ZeRO", "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",
 ]

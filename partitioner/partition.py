@@ -59,7 +59,7 @@ class PartitionedProgram:
     tactics = as_tactics(schedule)
     if tactics and isinstance(tactics[0], ProgramRewrite) and not self.schedule:
       start = time.perf_counter()
-      program = tactics[0].rewrite(self.program)
+      program = tactics[0].rewrite(self.program, self.mesh)
       state = ShardingState(program, self.mesh)
       ctx = TacticContext(state, 0, solver=solver)
       tactics[0].shard(ctx)

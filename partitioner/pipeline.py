@@ -81,6 +81,9 @@ def pipeline(program: Program, stages: int, microbatches: int,
 @per_program
 def _pipelined(program: Program, stages: int, microbatches: int, schedule: str) -> Program:
   what = f"Pipeline(stages={stages}, microbatches={microbatches}, schedule={schedule})"
+  if not program.root.loops:
+    _refuse(what, "found no layer stack: the step has no loop (lax.scan, hk.layer_stack, "
+                  "nn.scan) over stacked layers")
   if not _stacks(program) and program.source[1] != "keep":
     program = _kept(program)   # the stack may have been unrolled: trace it as a loop
   if not _stacks(program):

@@ -111,8 +111,8 @@ class ProgramRewrite(Tactic):
   first in a schedule, and `PartitionedProgram.apply` partitions what it returns."""
 
   @abc.abstractmethod
-  def rewrite(self, program):
-    """The rewritten program."""
+  def rewrite(self, program, mesh):
+    """The rewritten program (for a schedule over `mesh`)."""
 
   def describe(self, program) -> str:
     """What the rewrite made of the program, for the tactic's report."""
@@ -151,7 +151,7 @@ class Microbatch(ProgramRewrite):
   k: int
   name: ClassVar[str] = "Microbatch"
 
-  def rewrite(self, program):
+  def rewrite(self, program, mesh):
     from partitioner.microbatch import microbatch
     return microbatch(program, self.k)
 
@@ -163,35 +163,42 @@ class Microbatch(ProgramRewrite):
 @register
 @dataclasses.dataclass(frozen=True)
 class Pipeline(ProgramRewrite):
-  """Pipeline parallelism: the layer stack cut into `stages` stages of consecutive layers, one
-  per slice of `axis`, that `microbatches` micro-batches stream through (partitioner/
-  pipeline.py): in GPipe's order (the stack's forward for every micro-batch, then its
-  backward; the rest of the step on the whole batch) or in 1F1B's (the whole per-example step
-  in the pipeline; each stage keeps at most 2S-1 micro-batches' activations). Weights and
+  """Pipeline parallelism: the layer stack cut into `stages` stages of consecutive layers (by
+  default one per device of `axis`), that `microbatches` micro-batches (by default four per
+  stage) stream through (partitioner/pipeline.py): in 1F1B's order (the whole per-example
+  step in the pipeline; each stage keeps at most 2S-1 micro-batches' activations) or GPipe's
+  (the stack's forward for every micro-batch, then its backward; the rest of the step on the
+  whole batch). Weights and
   optimizer state of a layer live on its stage only; activations cross stages in collective
   permutes; (S-1)/(M+S-1) of each stage's time is idle."""
   axis: str
-  stages: int
-  microbatches: int
-  schedule: str = "gpipe"
+  stages: int = 0           # 0: the axis' size
+  microbatches: int = 0     # 0: four per stage
+  schedule: str = "1f1b"
   name: ClassVar[str] = "Pipeline"
 
-  def rewrite(self, program):
+  def sizes(self, mesh) -> tuple[int, int]:
+    """(stages, micro-batches), the defaults resolved on `mesh`."""
+    mesh.check_axis(self.axis)
+    s = self.stages or mesh.size(self.axis)
+    return s, self.microbatches or 4 * s
+
+  def rewrite(self, program, mesh):
     from partitioner.pipeline import pipeline
-    return pipeline(program, self.stages, self.microbatches, self.schedule)
+    return pipeline(program, *self.sizes(mesh), self.schedule)
 
   def describe(self, program) -> str:
-    s, m = self.stages, self.microbatches
+    s, m = program.stages, program.microbatches
     kept = f"at most {2 * s - 1}" if self.schedule == "1f1b" else f"all {m + s - 1}"
     return (f"{s} stages of the layer stack, {m} micro-batches streamed in {self.schedule} "
             f"order, each stage keeping {kept} micro-batches' activations; the bubble is "
             f"{s - 1}/{m + s - 1} of each stage's iterations")
 
   def shard(self, ctx):
-    ctx.mesh.check_axis(self.axis)
     n = ctx.mesh.size(self.axis)
-    if self.stages % n:
-      raise ScheduleError(f"{self}: {self.stages} stages do not divide over {self.axis}={n}")
+    if ctx.program.stages % n:
+      raise ScheduleError(f"{self}: {ctx.program.stages} stages do not divide over "
+                          f"{self.axis}={n}")
     for vid, dim in ctx.program.stage_values:
       ctx.tile(vid, dim, self.axis)
     ctx.propagate()

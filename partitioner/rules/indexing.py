@@ -120,17 +120,26 @@ def _window_factors(b, os, op_f, other_shape, other_f, pairs):
 
 @factor_rule("gather")
 def gather(op, program):
-  """Point-wise looked-up dims are parallel or masked (a partial sum); batch dims pass."""
+  """Point-wise looked-up dims are parallel or masked (a partial sum); batch dims pass, and so
+  do batching dims (a vmapped lookup: operand and indices share them, as current JAX writes
+  `vmap` of a `dynamic_slice` with a batched index)."""
   dn = op.params["dimension_numbers"]
-  _check(dn)
+  batching = tuple(zip(getattr(dn, "operand_batching_dims", ()) or (),
+                       getattr(dn, "start_indices_batching_dims", ()) or ()))
   os = program.values[op.inputs[0]].shape
+  ishape = program.values[op.inputs[1]].shape
+  if any(j == len(ishape) - 1 for _, j in batching):
+    raise Unsupported("gather with a batching dim last in its indices")
   out = program.values[op.outputs[0]].shape
   b = FactorBuilder()
   out_f = [()] * len(out)
   batch_out = [d for d in range(len(out)) if d not in dn.offset_dims]
   op_f, idx_f = _index_factors(b, program, op, dn.start_index_map, dn.collapsed_slice_dims,
                                batch_out, out_f, SUM)
-  kept = [d for d in range(len(os)) if d not in dn.collapsed_slice_dims]
+  for d, j in batching:
+    op_f[d] = idx_f[j] if os[d] == ishape[j] else (b.new(os[d], REPL),) if os[d] > 1 else ()
+  skipped = set(dn.collapsed_slice_dims) | {d for d, _ in batching}
+  kept = [d for d in range(len(os)) if d not in skipped]
   _window_factors(b, os, op_f, out, out_f, zip(dn.offset_dims, kept))
   return b.build([op_f, idx_f], [out_f])
 

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import corpus
+from corpus.experts import simulate_experts
 import partitioner as P
 from partitioner.cost import simulate
-from partitioner.errors import ScheduleError
+from partitioner.errors import MeshError, ScheduleError
 from partitioner.hlo import hlo_collectives
 from partitioner.verify import example_inputs, verify
 from tests.partitioner import user_models
@@ -56,25 +57,29 @@ def test_the_pipelined_step_is_the_step(gpt, schedule):
 
 
 SCHEDULES = {
-    "dp": ("stage=2,batch=4", "Pipeline(stage, stages=2, microbatches=2); BatchParallel(batch)"),
-    "megatron": ("stage=2,batch=2,model=2",
-                 "Pipeline(stage, stages=2, microbatches=2); BatchParallel(batch); "
-                 "Megatron(model)"),
-    "zero3": ("stage=2,batch=4", "Pipeline(stage, stages=2, microbatches=2); ZeRO(batch, stage=3)"),
-    "two stages a device": ("stage=2,batch=4",
-                            "Pipeline(stage, stages=4, microbatches=2); ZeRO(batch, stage=1)"),
-    "1f1b dp": ("stage=2,batch=4",
-                "Pipeline(stage, stages=2, microbatches=4, schedule=1f1b); BatchParallel(batch)"),
+    "gpipe dp": ("stage=2,batch=4",
+                 "Pipeline(stage, microbatches=2, schedule=gpipe); BatchParallel(batch)"),
+    "gpipe megatron": ("stage=2,batch=2,model=2",
+                       "Pipeline(stage, microbatches=2, schedule=gpipe); BatchParallel(batch); "
+                       "Megatron(model)"),
+    "gpipe zero3": ("stage=2,batch=4",
+                    "Pipeline(stage, microbatches=2, schedule=gpipe); ZeRO(batch, stage=3)"),
+    "gpipe two stages a device": ("stage=2,batch=4",
+                                  "Pipeline(stage, stages=4, microbatches=2, schedule=gpipe); "
+                                  "ZeRO(batch, stage=1)"),
+    "1f1b dp": ("stage=2,batch=4", "Pipeline(stage, microbatches=4); BatchParallel(batch)"),
     "1f1b megatron": ("stage=2,batch=2,model=2",
-                      "Pipeline(stage, stages=2, microbatches=2, schedule=1f1b); "
-                      "BatchParallel(batch); Megatron(model)"),
-    "1f1b zero3": ("stage=4,batch=2",
-                   "Pipeline(stage, stages=4, microbatches=2, schedule=1f1b); "
-                   "ZeRO(batch, stage=3)"),
+                      "Pipeline(stage, microbatches=2); BatchParallel(batch); Megatron(model)"),
+    "1f1b zero3": ("stage=4,batch=2", "Pipeline(stage, microbatches=2); ZeRO(batch, stage=3)"),
 }
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+# Both schedules with Megatron, and GPipe with data parallelism, also run on current JAX.
+BOTH_STACKS = ("gpipe dp", "1f1b megatron")
+
+
+@pytest.mark.parametrize("name", [n if n in BOTH_STACKS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in SCHEDULES])
 def test_pipeline_verifies_composed_with_other_tactics(gpt, name):
   fn, args, program = gpt
   mesh, schedule = SCHEDULES[name]
@@ -91,12 +96,12 @@ def test_pipeline_verifies_composed_with_other_tactics(gpt, name):
                 pp.program.values[c.value].rank >= 2 and c.kind == "all-reduce"]
 
 
+@pytest.mark.slow
 def test_flax_nn_scan_train_state_pipelines():
   """Written by the Flax book: `nn.scan` over blocks, `TrainState.apply_gradients`, AdamW."""
   fn, args = user_models.flax_scanned_blocks(layers=4)
   program = P.trace(fn, *args, loops="keep")
-  pp = P.apply(program, "stage=4,batch=2",
-               "Pipeline(stage, stages=4, microbatches=2); BatchParallel(batch)")
+  pp = P.apply(program, "stage=4,batch=2", "Pipeline(stage, microbatches=2); BatchParallel(batch)")
   result = verify(pp, args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
 
@@ -104,7 +109,7 @@ def test_flax_nn_scan_train_state_pipelines():
 def test_the_hand_over_is_one_collective_permute_each_way_as_xla_compiles_it(gpt):
   fn, args, program = gpt
   pp = P.apply(program, "stage=2,batch=4",
-               "Pipeline(stage, stages=2, microbatches=2); BatchParallel(batch)")
+               "Pipeline(stage, microbatches=2, schedule=gpipe); BatchParallel(batch)")
   permutes = [c for c in pp.collectives if c.kind == "collective-permute"]
   # One slot of the state crosses: a micro-batch of 8 / 2 sequences split over 4 devices,
   # 16 x 64 float32 activations each, forward and backward.
@@ -118,7 +123,8 @@ def test_the_hand_over_is_one_collective_permute_each_way_as_xla_compiles_it(gpt
 def test_more_micro_batches_shrink_the_bubble(gpt):
   fn, args, program = gpt
   flops = {m: simulate(P.apply(program, "stage=4",
-                               f"Pipeline(stage, stages=4, microbatches={m})"), "h100").flops
+                               f"Pipeline(stage, microbatches={m}, schedule=gpipe)"),
+                        "h100").flops
            for m in (2, 4)}
   # The stack runs M+S-1 iterations for M micro-batches: 5/2 of its work at M=2, 7/4 at M=4;
   # the rest of the step is the same.
@@ -131,7 +137,7 @@ def test_more_micro_batches_shrink_the_bubble(gpt):
     ("Pipeline(stage, stages=2, microbatches=2, schedule=interleaved)",
      "interleaved schedule \\(virtual stages\\) is not built"),
     ("Pipeline(stage, stages=3, microbatches=2, schedule=zigzag)", "schedule must be one of"),
-    ("Pipeline(stage, stages=2, microbatches=2); Microbatch(2)", "put it first"),
+    ("Pipeline(stage, microbatches=2); Microbatch(2)", "put it first"),
 ])
 def test_what_cannot_be_pipelined_is_refused_in_one_line(gpt, schedule, message):
   fn, args, program = gpt
@@ -139,13 +145,32 @@ def test_what_cannot_be_pipelined_is_refused_in_one_line(gpt, schedule, message)
     P.apply(program, "stage=2", schedule)
 
 
-def test_a_stage_count_that_does_not_divide_the_axis_is_refused(gpt):
+def test_a_stage_count_that_does_not_divide_the_axis_or_an_unknown_axis_is_refused(gpt):
   fn, args, program = gpt
   with pytest.raises(ScheduleError, match="2 stages do not divide over stage=4"):
     P.apply(program, "stage=4", "Pipeline(stage, stages=2, microbatches=2)")
+  with pytest.raises(MeshError, match="unknown mesh axis 'pipe'"):
+    P.apply(program, "stage=4", "Pipeline(pipe)")
 
 
 def test_a_step_without_a_layer_stack_is_refused():
   fn, args = user_models.grouped_query_attention()
   with pytest.raises(ScheduleError, match="found no layer stack"):
     P.apply(P.trace(fn, *args), "stage=2", "Pipeline(stage, stages=2, microbatches=2)")
+
+
+def test_ptd_p_and_pp_dp_are_hand_schedules_that_apply_to_a_scanned_stack():
+  """Megatron-LM's PTD-P among the hand schedules `propose` and `evaluate` try: pipeline over
+  the outermost axis, data parallel over the middle ones, Megatron over the model axis."""
+  schedules = corpus.experts(None, ("pipe", "data", "model"))
+  assert schedules["ptd-p"] == "Pipeline(pipe); BatchParallel(data); Megatron(model)"
+  assert schedules["pp+dp"] == "Pipeline(pipe); BatchParallel(data); BatchParallel(model)"
+  w = corpus.load("gpt:small,layers=4,scan=true,batch=32")
+  program = P.trace(w.fn, *w.args, loops="keep")
+  results = {r.name: r for r in simulate_experts(program, "pipe=2,data=2,model=2",
+                                                 "h100", None)}
+  assert results["ptd-p"].cost is not None and results["pp+dp"].cost is not None
+  # A stage holds half the layers: their parameters and optimizer state per device halve.
+  dp, pp = results["dp"].cost.memory.breakdown, results["pp+dp"].cost.memory.breakdown
+  stacked = lambda b: b["parameters"] + b["optimizer_state"]
+  assert stacked(pp) < stacked(dp)
