@@ -86,8 +86,8 @@ def test_partition_xla_table(capsys):
     (["gpt:small,depth=3", "--mesh", "a=2", "--tactics", "BatchParallel(a)"],
      "gpt has no knob 'depth'"),
     (["mlp:small", "--mesh", "batch", "--tactics", "BatchParallel(batch)"], "bad mesh 'batch'"),
-    (["mlp:small", "--mesh", "batch=8", "--tactics", "Pipeline(batch)"],
-     "unknown tactic 'Pipeline'"),
+    (["mlp:small", "--mesh", "batch=8", "--tactics", "Interleave(batch)"],
+     "unknown tactic 'Interleave'"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
   code, out, err = run(capsys, "partition", *argv)

@@ -34,6 +34,11 @@ def _random_schedules(n, seed=0):
   return out
 
 
+def _unpipelined(schedules: dict) -> dict:
+  """Folded programs are unrolled stacks, which pipelines refuse."""
+  return {k: v for k, v in schedules.items() if not v.startswith("Pipeline")}
+
+
 def test_folded_costs_equal_the_deep_program_costs():
   folding = fold(_shallow(2), _shallow(3), 6)
   assert folding is not None and folding.program is _shallow(3)
@@ -48,7 +53,8 @@ def test_folded_costs_equal_the_deep_program_costs():
   hardware = h100.launching(0.0)
   simulator = Simulator(folding.program, mesh, hardware, folding=folding)
   launching = Simulator(folding.program, mesh, h100, folding=folding)
-  schedules = list(corpus.experts("gpt", mesh.names).values()) + _random_schedules(6)
+  schedules = list(_unpipelined(corpus.experts("gpt", mesh.names)).values()) + \
+      _random_schedules(6)
   for schedule in schedules:
     folded = simulator(apply(folding.program, mesh, schedule))
     exact = simulate(apply(deep, mesh, schedule), hardware)
@@ -94,7 +100,7 @@ def test_combined_collectives_of_a_folded_layer_fill_buckets_as_the_deep_program
   folding = fold(_shallow(2), _shallow(3), 6)
   mesh, deep = Mesh.parse(TASK.mesh), load_program(DEEP)
   simulator = Simulator(folding.program, mesh, "h100", folding=folding)
-  for name, schedule in corpus.experts("gpt", mesh.names).items():
+  for name, schedule in _unpipelined(corpus.experts("gpt", mesh.names)).items():
     folded = simulator(apply(folding.program, mesh, schedule))
     exact = simulate(apply(deep, mesh, schedule), "h100")
     launches = lambda cost, weight: sum(weight(c) / c.combined for c in cost.collectives)
