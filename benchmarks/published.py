@@ -217,11 +217,15 @@ def predict(run: Run, hardware: str) -> dict:
 
 def search(run: Run, hardware: str, seconds: int) -> dict:
   """The ILP agent on the same model, GPUs and batch without the plan: a mesh of nodes x 8 GPUs
-  (`data`, `model`), the device's memory as the budget, `seconds` of solver time."""
+  (`data`, `model`; for a pipelined row, its nodes as `pipe` x `data` in the published shape),
+  the device's memory as the budget, `seconds` of solver time (and as much again for the
+  pipelines it tries, `launch.evaluation.pipelined_ilp`)."""
   from launch.evaluation import EvalTask, Unit, agent_version, parse_agent, run_unit
   agent = f"ilp:{seconds}"
   model = f"{Path(__file__).resolve()}:table1_{run.params.lower().replace('.', '_')}"
-  task = EvalTask(model, f"data={run.gpus // 8},model=8", hardware, "device")
+  mesh = (f"pipe={run.p},data={run.gpus // 8 // run.p},model=8" if run.p > 1 else
+          f"data={run.gpus // 8},model=8")
+  task = EvalTask(model, mesh, hardware, "device")
   start = time.perf_counter()
   row = run_unit(Unit(task, ((agent, agent_version(parse_agent(agent))),), 24, 0))[0]
   if "error" in row:
@@ -305,9 +309,12 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
         "Each row's model, GPUs, global batch and card, and no plan: the ILP agent (`ilp:60`, "
         "as `shardzero evaluate` runs it) on a mesh of nodes x 8 GPUs, the card's memory as "
         "the budget (`python benchmarks/published.py --ilp`; a run without --ilp prices the "
-        "plans it found under the cost model as it is). Its choices are layouts and the manual "
-        "tactics of the search environment; `Pipeline` and `Microbatch` are not among them "
-        "yet, so on the pipelined rows it answers with a plan without stages.",
+        "plans it found under the cost model as it is). On a pipelined row the mesh has the "
+        "published plan's shape, its nodes as `pipe` x `data` (the number of stages is given, "
+        "not the plan), and after its episode the ILP also tries a `Pipeline` over `pipe` with "
+        "the micro-batch counts that divide the batch nearest 2, 4, 8 and 16 a stage, deciding "
+        "the other axes itself "
+        "(`launch.evaluation.pipelined_ilp`); the micro-batch sizes are its own.",
         "",
         "| model | GPUs | published plan: predicted s, TFLOP/s, peak | ILP plan | ILP: predicted s, "
         "TFLOP/s, peak | ILP / published plan | solve s |",

@@ -29,7 +29,7 @@ Tactics (separated by ';'):
   ExpertParallel(AXIS)           split expert weights along the expert dimension
   SequenceParallel(AXIS[, DIM])  split the batch inputs along the sequence dimension
   Replicate(PATTERN[, AXES])     keep matching inputs replicated
-  Auto(AXES[, agent=greedy|beam|mcts|random, budget=N, policy=RUN_DIR, hardware=HW,
+  Auto(AXES[, agent=greedy|beam|mcts|random|ilp, budget=N, policy=RUN_DIR, hardware=HW,
        memory=BYTES])            let a search agent or a trained policy ('shardzero train'
                                  run) choose tactics over AXES (model, batch+model)
   Microbatch(K)                  gradient accumulation: the batch cut into K micro-batches

@@ -1,31 +1,32 @@
 """Pipeline stages over a scanned layer stack, as a rewrite of the program in SPMD form.
 
-`pipeline(program, stages=S, microbatches=M)` cuts the L layers of a stack (a `lax.scan` over
-stacked weights, `hk.layer_stack`, `nn.scan`) into S stages of L/S consecutive layers, and
-streams M micro-batches through them, as MaxText and Praxis write a pipeline for XLA's SPMD
-partitioner:
+`pipeline(program, stages=S, microbatches=M, schedule)` cuts the L layers of a stack (a
+`lax.scan` over stacked weights, `hk.layer_stack`, `nn.scan`) into S stages of L/S consecutive
+layers, and streams M micro-batches through them, as MaxText and Praxis write a pipeline for
+XLA's SPMD partitioner:
 
 - every stacked weight `[L, ...]` is held as `[L/S, S, ...]`; split over the stage axis, each
   device holds its stage's layers;
-- the forward stack becomes a loop of M+S-1 iterations over a state with one slot per stage
-  (`[S, micro-batch, ...]`). Each iteration hands every slot to the next stage
-  (`shift.stage_shift`, a collective permute), puts the next micro-batch in slot 0, and runs
-  each stage's layers on its slot (the layer body, vmapped over the stages). The last slot
-  leaves as one micro-batch's output;
-- the backward stack becomes the same loop run in reverse, handing gradients back a stage at a
-  time, reading what the forward pass kept per (iteration, stage), and summing each layer's
-  weight gradient over the micro-batches.
+- a loop iterates over a state with one slot per stage (`[S, micro-batch, ...]`). Each
+  iteration hands every slot to the next stage (`shift.stage_shift`, a collective permute),
+  puts the next micro-batch in slot 0, and runs each stage's layers on its slot (the layer
+  body of the step traced at a micro-batch's size, vmapped over the stages); gradients flow
+  back the same way, a stage per iteration, and each layer's weight gradient is summed over
+  the micro-batches.
 
-The rest of the step (embedding, head, loss, optimizer) runs on the whole batch as before. The
-bubble (S-1 of the M+S-1 iterations do no useful work on each stage), the activations each
-stage keeps for its M micro-batches (GPipe's schedule), the hand-over and the gradient
-reduction after the last micro-batch are then in the program, so the cost model prices them
-as it prices any loop.
+`schedule="gpipe"` rewrites the stack alone: a loop of M+S-1 iterations for its forward pass,
+then one for its backward pass, reading what the forward kept per (iteration, stage); the
+rest of the step (embedding, head, loss, optimizer) runs on the whole batch as before.
+`schedule="1f1b"` (`_emit_1f1b`) puts the whole per-example step in one pipeline, so that a
+stage keeps at most 2S-1 micro-batches' activations. Either way the bubble, the activations
+kept, the hand-overs and the gradient reduction after the last micro-batch are in the
+program, so the cost model prices them as it prices any loop.
 
 The stack is found from the dataflow: a loop and the reverse loop that reads what it kept, of
 the same length. What cannot be cut exactly is refused in one line: a stack that reads a
 statistic of the whole batch, carries something other than per-example activations across
-layers, draws random numbers, or two stacks at once (an encoder and a decoder).
+layers, reads other per-example values, draws random numbers, or two stacks at once (an
+encoder and a decoder).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _refuse(what: str, why: str):
 
 
 def pipeline(program: Program, stages: int, microbatches: int,
-             schedule: str = "gpipe") -> Program:
+             schedule: str = "1f1b") -> Program:
   """The step with its layer stack cut into `stages` stages that `microbatches` micro-batches
   stream through (see the module docstring)."""
   what = f"Pipeline(stages={stages}, microbatches={microbatches})"
@@ -85,7 +86,8 @@ def _pipelined(program: Program, stages: int, microbatches: int, schedule: str) 
     _refuse(what, "found no layer stack: the step has no loop (lax.scan, hk.layer_stack, "
                   "nn.scan) over stacked layers")
   if not _stacks(program) and program.source[1] != "keep":
-    program = _kept(program)   # the stack may have been unrolled: trace it as a loop
+    kept = _kept(program)   # the stack may have been unrolled: trace it as a loop
+    kept.original, program = program, kept
   if not _stacks(program):
     _refuse(what, "found no layer stack: the layers must be a loop over stacked weights "
                   "(lax.scan, hk.layer_stack, nn.scan) whose gradient is a loop too")
@@ -354,7 +356,14 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
     entering = [MB.strided(env[v], d, M) for v, d in zip(enter_f.inputs[:nf], dims)]
     entering = [jnp.concatenate([x, jnp.zeros((S - 1,) + x.shape[1:], x.dtype)])
                 for x in entering]
-    weights = [to_stages(env[v]) for v in enter_f.inputs[nf:]]
+    staged = {}   # a weight both stacks read is held per stage once
+
+    def held(v):
+      if v not in staged:
+        staged[v] = to_stages(env[v])
+      return staged[v]
+
+    weights = [held(v) for v in enter_f.inputs[nf:]]
     outside = [env[v] for v in fwd_reads]
 
     def stage_forward(w, c):
@@ -386,7 +395,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
     coming = [jnp.concatenate([jnp.zeros((S - 1,) + x.shape[1:], x.dtype), x])
               for x in (MB.strided(env[v], d, M)
                         for v, d in zip(enter_b.inputs[:nb], bdims) if d is not None)]
-    stacked = [None if k is not None else to_stages(env[v])
+    stacked = [None if k is not None else held(v)
                for v, k in zip(enter_b.inputs[nb:], stack.backward_xs)]
     outside_b = [env[v] for v in bwd_reads]
     carry_types = [svals[v].dtype for v in enter_b.outputs[:nb]]

@@ -504,8 +504,9 @@ class Auto(Tactic):
   """Hands mesh axes (`"model"`, `"batch+model"`, empty for all) to a search agent or a
   trained policy, which picks tactics over those axes starting from what the schedule decided
   so far, scored by the simulator on `hardware` with `memory` bytes per device (default: the
-  device's). `policy` is a `shardzero train` run directory; `agent` is greedy, beam, mcts or
-  random without one, greedy (decoding) or mcts (policy-guided) with one. The report lists
+  device's). `policy` is a `shardzero train` run directory; `agent` is greedy, beam, mcts,
+  random or ilp (`budget` seconds) without one, greedy (decoding) or mcts (policy-guided)
+  with one. The report lists
   the tactics chosen; the same schedule chooses the same ones again."""
   axes: str = ""
   policy: str = ""

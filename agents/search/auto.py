@@ -13,7 +13,7 @@ from partitioner.partition import PartitionedProgram
 from partitioner.tactics import AutoRequest, Tactic
 
 DEFAULT_MAX_STEPS = 12
-AGENTS = ("beam", "greedy", "mcts", "random")
+AGENTS = ("beam", "greedy", "ilp", "mcts", "random")
 
 
 def sub_environment(request: AutoRequest, max_steps: int) -> PartitioningEnv:
@@ -34,9 +34,11 @@ def chosen_tactics(env: PartitioningEnv) -> list[Tactic]:
 
 
 def solve(request: AutoRequest) -> list[Tactic]:
-  """The tactics a search agent (`greedy`, `beam`, `mcts`, `random`) chooses for `request`."""
+  """The tactics a search agent (`greedy`, `beam`, `mcts`, `random`, or `ilp` with `budget`
+  seconds) chooses for `request`."""
   from agents.search.baselines import GreedyActor, RandomActor
   from agents.search.beam import BeamActor
+  from agents.search.ilp import ILPActor
   from agents.search.mcts import MCTSActor
   t = request.tactic
   if t.policy:
@@ -51,7 +53,8 @@ def solve(request: AutoRequest) -> list[Tactic]:
   actor = {"greedy": lambda: GreedyActor(env),
            "beam": lambda: BeamActor(env, budget=t.budget),
            "mcts": lambda: MCTSActor(env, budget=t.budget),
-           "random": lambda: RandomActor(seed=0)}[t.agent]()
+           "random": lambda: RandomActor(seed=0),
+           "ilp": lambda: ILPActor(env, time_limit_s=float(t.budget))}[t.agent]()
   # The loop resets the environment, which for a sub-problem means back to its start state.
   EnvironmentLoop(env, actor, logger=InMemoryLogger(), should_update=False).run_episode()
   return chosen_tactics(env)

@@ -200,3 +200,28 @@ def test_the_guarded_policy_answers_as_propose_does_with_micro_batches(capsys, t
   assert row["fits"] and row["microbatched"]["k"] == proposed["microbatches"]
   assert row["schedule"] == proposed["answer"]
   assert row["step_time_s"] == pytest.approx(proposed["cost"]["step_time_s"])
+
+
+def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
+  """Pipelines rewrite the program the environment is built on, so the ILP agent tries them
+  after its episode: a `Pipeline` over the outermost axis, the ILP over the others. Asked
+  from the unpartitioned start, which does not fit 3 MiB, it answers with a pipelined plan
+  that does, and the schedule replays to the cost it reports."""
+  from environments import PartitioningEnv
+  from launch.evaluation import EvalTask, pipelined_ilp
+  from partitioner.cost import simulate
+  import partitioner as P
+  task = EvalTask("gpt:small,layers=4,scan=true,batch=32", "stage=2,batch=4", "h100", "3MiB")
+  env = PartitioningEnv(task.resolve())
+  env.reset()
+  staged = pipelined_ilp(env, 4)
+  assert staged is not None and staged["fits"]
+  assert staged["schedule"].startswith("Pipeline(stage, microbatches=")
+  w = corpus.load("gpt:small,layers=4,scan=true,batch=32")
+  program = P.trace(w.fn, *w.args)
+  cost = simulate(P.apply(program, "stage=2,batch=4", staged["schedule"]), "h100")
+  assert cost.step_time_s == pytest.approx(staged["step_time_s"], rel=1e-9)
+  # No loop, no pipeline.
+  env = PartitioningEnv(EvalTask("mlp:small", "stage=2,batch=4", "h100", "device").resolve())
+  env.reset()
+  assert pipelined_ilp(env, 4) is None
