@@ -211,13 +211,13 @@ def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   from launch.evaluation import EvalTask, pipelined_ilp
   from partitioner.cost import simulate
   import partitioner as P
-  task = EvalTask("gpt:small,layers=4,scan=true,batch=32", "stage=2,batch=4", "h100", "3MiB")
+  task = EvalTask("gpt:small,layers=2,scan=true,batch=16", "stage=2,batch=4", "h100", "3MiB")
   env = PartitioningEnv(task.resolve())
   env.reset()
   staged = pipelined_ilp(env, 4)
   assert staged is not None and staged["fits"]
   assert staged["schedule"].startswith("Pipeline(stage, microbatches=")
-  w = corpus.load("gpt:small,layers=4,scan=true,batch=32")
+  w = corpus.load("gpt:small,layers=2,scan=true,batch=16")
   program = P.trace(w.fn, *w.args)
   cost = simulate(P.apply(program, "stage=2,batch=4", staged["schedule"]), "h100")
   assert cost.step_time_s == pytest.approx(staged["step_time_s"], rel=1e-9)

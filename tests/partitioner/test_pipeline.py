@@ -62,8 +62,6 @@ SCHEDULES = {
     "gpipe megatron": ("stage=2,batch=2,model=2",
                        "Pipeline(stage, microbatches=2, schedule=gpipe); BatchParallel(batch); "
                        "Megatron(model)"),
-    "gpipe zero3": ("stage=2,batch=4",
-                    "Pipeline(stage, microbatches=2, schedule=gpipe); ZeRO(batch, stage=3)"),
     "gpipe two stages a device": ("stage=2,batch=4",
                                   "Pipeline(stage, stages=4, microbatches=2, schedule=gpipe); "
                                   "ZeRO(batch, stage=1)"),
