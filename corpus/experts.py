@@ -77,6 +77,10 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("ptd-p", "Megatron-LM's PTD-P: pipeline stages over the outermost axis, data "
              "parallel over the middle ones, Megatron tensor parallel over the model axis",
              lambda d, m: [f"Pipeline({d[0]})"] + _bp(d[1:]) + [f"Megatron({m})"]),
+    Strategy("ptd-p+zero1", "PTD-P with the optimizer state sharded over the data axes "
+             "(Megatron-LM's distributed optimizer)",
+             lambda d, m: [f"Pipeline({d[0]})"] + _bp(d[1:]) + [f"Megatron({m})"] +
+             [f"ZeRO({a}, stage=1)" for a in d[1:]]),
 )}
 
 _DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
@@ -84,7 +88,7 @@ _TENSOR = ("megatron", "dp+megatron", "dp+megatron+zero1", "dp+megatron+zero3")
 _VOCAB = ("dp+megatron+vocab",)
 _EXPERT = ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2")
 # Steps whose layers are a scanned stack (the others refuse in one line, before any work).
-_PIPELINE = ("pp+dp", "ptd-p")
+_PIPELINE = ("pp+dp", "ptd-p", "ptd-p+zero1")
 # What applies to any training step: the roles (parameters, optimizer state, data) come from
 # its dataflow, and Megatron finds its pairs of matmuls in any idiom (or does not apply).
 GENERIC = _DATA + _TENSOR + _PIPELINE
