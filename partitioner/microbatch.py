@@ -117,9 +117,10 @@ class BatchSums(NamedTuple):
   plan: object
 
 
-def batch_sums(program: Program, picked: list[int], k: int) -> BatchSums:
+@per_program
+def batch_sums(program: Program, picked: tuple[int, ...], k: int) -> BatchSums:
   """The step partitioned over a mesh of one axis of `k` devices with data parallelism: a
-  micro-batch is data parallelism over time."""
+  micro-batch is data parallelism over time. Made once per program, inputs and count."""
   values, ops = program.values, program.ops
   state = ShardingState(program, Mesh({AXIS: k}))
   for v in picked:
@@ -177,7 +178,7 @@ def cut_step(program: Program, k: int, what: str = "") -> tuple[Cut, Program]:
   what = what or f"Microbatch({k})"
   picked, n = batch_inputs(program, k, what)
   values, ops = program.values, program.ops
-  example, data, partial, nonlinear, plan = batch_sums(program, picked, k)
+  example, data, partial, nonlinear, plan = batch_sums(program, tuple(picked), k)
 
   # The ops run per micro-batch: those that read the data and make something split over the
   # batch or partial over it, and those that make something of the batch's size without
@@ -389,31 +390,17 @@ def _same_structure(full: Program, small: Program, what: str) -> None:
 
 def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
   """The cut step as a function, traced into the new program."""
-  import jax
   import jax.numpy as jnp
   from jax import lax
-  from partitioner.tracing import abstract_args, trace
 
-  values, svals = program.values, small.values
+  values = program.values
   summed = list(cut.summed.items())
   stacked = list(cut.stacked.items())
   split = list(cut.split.items())
-  # The small step's constants are the full step's where their shapes agree (1/batch).
-  consts = [None] * len(svals)
-  for v in svals:
-    if v.is_const:
-      full = values[v.id]
-      consts[v.id] = full.const if full.is_const and full.shape == v.shape else v.const
-  wide = lambda dtype: (np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating)
-                        and np.dtype(dtype).itemsize < 4 else np.dtype(dtype))
+  consts = small_consts(program, small)
 
   def step(*flat):
-    env: list = [None] * len(values)
-    for v in values:
-      if v.is_const:
-        env[v.id] = v.const
-    for vid, x in zip(program.inputs, flat):
-      env[vid] = x
+    env = input_env(program, flat)
     program.run(env, only=cut.pre)
     xs = [strided(env[v], d, k) for v, d in split]
     outside = [env[v] for v in cut.invariant]
@@ -443,14 +430,53 @@ def _emit(program: Program, small: Program, cut: Cut, k: int) -> Program:
     program.run(env, only=cut.post)
     return [jnp.asarray(env[v]) for v in program.outputs]
 
+  out = traced_step(program, step)
+  out.original = program
+  out.microbatches = k
+  return out
+
+
+def small_consts(program: Program, small: Program) -> list:
+  """Per value of the step traced at a micro-batch's size, its constant: the full step's where
+  their shapes agree (a mean over the batch still divides by the whole batch)."""
+  consts = [None] * len(small.values)
+  for v in small.values:
+    if v.is_const:
+      full = program.values[v.id]
+      consts[v.id] = full.const if full.is_const and full.shape == v.shape else v.const
+  return consts
+
+
+def wide(dtype) -> np.dtype:
+  """Where sums over micro-batches accumulate: float32 for narrower floats."""
+  import jax.numpy as jnp
+  return (np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating)
+          and np.dtype(dtype).itemsize < 4 else np.dtype(dtype))
+
+
+def input_env(program: Program, flat) -> list:
+  """Value id -> array for a run of `program` on its input leaves: its constants and inputs."""
+  env: list = [None] * len(program.values)
+  for v in program.values:
+    if v.is_const:
+      env[v.id] = v.const
+  for vid, x in zip(program.inputs, flat):
+    env[vid] = x
+  return env
+
+
+def traced_step(program: Program, step) -> Program:
+  """`step` (input leaves -> output leaves, a rewrite of `program`) traced with `program`'s
+  signature, loops kept, holding its inputs and outputs in `program`'s layouts."""
+  import jax
+  from partitioner.tracing import abstract_args, trace
+
   def fn(*args):
     outs = step(*program.flatten_args(args))
     return jax.tree_util.tree_unflatten(program.out_tree, outs)
 
   out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep",
               layouts=False)   # `program`'s layouts, kept below
-  out.original = program
-  out.microbatches = k
   out.layouts, out.output_layouts = program.layouts, program.output_layouts
   return out
 

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner import microbatch as MB
+from partitioner import roles as R
 from partitioner.errors import ScheduleError
 from partitioner.ir import Program, Region, per_program
 
@@ -166,7 +167,7 @@ def _stack(program: Program, small: Program, picked, S: int, M: int, what: str) 
       _refuse(what, f"{describe(v)} carries the batch merged with other dimensions")
     return diff[0]
 
-  sums = MB.batch_sums(program, picked, M)
+  sums = MB.batch_sums(program, tuple(picked), M)
   for region in (rf, rb):
     for i in range(region.enter + 1, region.exit):
       op = ops[i]
@@ -222,7 +223,7 @@ def _stack(program: Program, small: Program, picked, S: int, M: int, what: str) 
         _refuse(what, f"the gradient stack reads {describe(v)}, an output of the forward stack, "
                       "whole")
       if batch_dim(v) is not None:
-        if sums.data[v] or any(u in program.inputs for u in _ancestors(program, v)):
+        if sums.data[v] or any(u in program.inputs for u in R.ancestors(program, [v])):
           _refuse(what, f"every layer reads {describe(v)}, which changes with the batch (an "
                         "attention mask?): streaming it with the micro-batches is not built")
         invariants.append(v)   # made of constants: made again at a micro-batch's size
@@ -231,19 +232,6 @@ def _stack(program: Program, small: Program, picked, S: int, M: int, what: str) 
   return Stack(f, b, forward_carries, tuple(backward_carries), tuple(backward_xs),
                tuple(dict.fromkeys(invariants)))
 
-
-def _ancestors(program: Program, v: int) -> set[int]:
-  """The values `v` is computed from (itself included)."""
-  out, stack = set(), [v]
-  while stack:
-    x = stack.pop()
-    if x in out:
-      continue
-    out.add(x)
-    p = program.values[x].producer
-    if p is not None:
-      stack.extend(program.ops[p].inputs)
-  return out
 
 
 def _is_zero(program: Program, v: int) -> bool:
@@ -258,22 +246,6 @@ def _is_zero(program: Program, v: int) -> bool:
     v = op.inputs[0]
 
 
-
-def _small_consts(program: Program, small: Program) -> list:
-  """The micro-batch step's constants, the full step's where their shapes agree (1/batch)."""
-  consts = [None] * len(small.values)
-  for v in small.values:
-    if v.is_const:
-      full = program.values[v.id]
-      consts[v.id] = full.const if full.is_const and full.shape == v.shape else v.const
-  return consts
-
-
-def _wide(dtype):
-  """Where sums over micro-batches accumulate: float32 for narrower floats."""
-  import jax.numpy as jnp
-  return (np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating)
-          and np.dtype(dtype).itemsize < 4 else np.dtype(dtype))
 
 
 def _to_stages(x, S: int, Lp: int):
@@ -319,7 +291,6 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
   import jax.numpy as jnp
   from jax import lax
   from partitioner.shift import stage_shift
-  from partitioner.tracing import abstract_args, trace
 
   ops, values, svals = program.ops, program.values, small.values
   rf, rb = program.regions[stack.forward], program.regions[stack.backward]
@@ -329,22 +300,17 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
   Lp = L // S
   nb_grads = len(exit_b.outputs) - nb
   needed = sorted({k for k in stack.backward_xs if k is not None})   # what the gradient reads
-  consts = _small_consts(program, small)
+  consts = MB.small_consts(program, small)
   made = sorted({values[u].producer for v in stack.invariants
-                 for u in _ancestors(program, v) if values[u].producer is not None})
-  wide = _wide
+                 for u in R.ancestors(program, [v]) if values[u].producer is not None})
+  wide = MB.wide
   to_stages = lambda x: _to_stages(x, S, Lp)
   from_stages = lambda x: _from_stages(x, L)
   slot_mask = lambda x, s: _slot_mask(x, s, S)
   layers = lambda region, base, c, xs, reverse: _layers(small, region, base, c, xs, Lp, reverse)
 
   def step(*flat):
-    env: list = [None] * len(values)
-    for v in values:
-      if v.is_const:
-        env[v.id] = v.const
-    for vid, x in zip(program.inputs, flat):
-      env[vid] = x
+    env = MB.input_env(program, flat)
     senv = list(consts)   # what the bodies read from outside, at a micro-batch's size
     small.run(senv, only=set(made))
     program.run(env, span=(0, rf.enter))
@@ -445,13 +411,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
     program.run(env, span=(rb.exit + 1, len(ops)))
     return [jnp.asarray(env[v]) for v in program.outputs]
 
-  def fn(*args):
-    outs = step(*program.flatten_args(args))
-    return jax.tree_util.tree_unflatten(program.out_tree, outs)
-
-  out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep",
-              layouts=False)
-  out.layouts, out.output_layouts = program.layouts, program.output_layouts
+  out = MB.traced_step(program, step)
   out.stage_values = _stage_values(out, S, T, (nf, nb, nb_grads))
   return out
 
@@ -487,7 +447,6 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   import jax.numpy as jnp
   from jax import lax
   from partitioner.shift import stage_shift
-  from partitioner.tracing import abstract_args, trace
 
   ops, values, svals = program.ops, program.values, small.values
   rf, rb = program.regions[stack.forward], program.regions[stack.backward]
@@ -554,17 +513,17 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   embed_sums = [v for v in group if group[v][0] == "embed"]
   tail = frozenset(tail)
   needed = sorted({k for k in stack.backward_xs if k is not None})
-  consts = _small_consts(program, small)
+  consts = MB.small_consts(program, small)
   # What the stack reads from the per-example part of the step (masks, made of constants) is
   # made once, at a micro-batch's size.
   inputs = set(program.inputs)
   made = set()
   for v in _body_reads(program, rf) + _body_reads(program, rb):
     if values[v].producer in cut.body:
-      if inputs & _ancestors(program, v):
+      if inputs & R.ancestors(program, [v]):
         _refuse(what, f"every layer reads {program.name(v)}, made from the step's inputs per "
                       "micro-batch: streaming it with the micro-batches is not built")
-      made.update(values[u].producer for u in _ancestors(program, v)
+      made.update(values[u].producer for u in R.ancestors(program, [v])
                   if values[u].producer is not None)
   bdims = stack.backward_carries
   split = list(cut.split.items())
@@ -573,12 +532,7 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   zero = lambda x: jnp.zeros((), x.dtype)
 
   def step(*flat):
-    env: list = [None] * len(values)
-    for v in values:
-      if v.is_const:
-        env[v.id] = v.const
-    for vid, x in zip(program.inputs, flat):
-      env[vid] = x
+    env = MB.input_env(program, flat)
     program.run(env, only=cut.pre)
     base = list(consts)   # what one micro-batch reads from outside
     small.run(base, only=set(made))
@@ -698,16 +652,16 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
       the data-parallel axes to its loop's end, and is reduced once), added up after; a
       loop of forward work only makes none but the embedding's."""
       if not backward:
-        return [], [], [], [], [jnp.zeros(values[v].shape, _wide(values[v].dtype))
+        return [], [], [], [], [jnp.zeros(values[v].shape, MB.wide(values[v].dtype))
                                 for v in embed_sums]
-      per_slot = lambda vs: [jnp.zeros((S,) + values[v].shape, _wide(values[v].dtype))
+      per_slot = lambda vs: [jnp.zeros((S,) + values[v].shape, MB.wide(values[v].dtype))
                              for v in vs]
-      return ([jnp.zeros((S,) + svals[v].shape, _wide(sdt(v)))
+      return ([jnp.zeros((S,) + svals[v].shape, MB.wide(sdt(v)))
                for v, d in zip(enter_b.outputs[:nb], bdims) if d is None],
-              [jnp.zeros((Lp, S) + values[v].shape[1:], _wide(values[v].dtype))
+              [jnp.zeros((Lp, S) + values[v].shape[1:], MB.wide(values[v].dtype))
                for v in exit_b.outputs[nb:]],
               per_slot(head_sums), per_slot(tail_sums),
-              [jnp.zeros(values[v].shape, _wide(values[v].dtype)) for v in embed_sums])
+              [jnp.zeros(values[v].shape, MB.wide(values[v].dtype)) for v in embed_sums])
 
     total = None
     # S-1 iterations of forward work only, then M+S-1 of all of it (the last S-1 run the
@@ -741,13 +695,7 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
     program.run(env, only=cut.post)
     return [jnp.asarray(env[v]) for v in program.outputs]
 
-  def fn(*args):
-    outs = step(*program.flatten_args(args))
-    return jax.tree_util.tree_unflatten(program.out_tree, outs)
-
-  out = trace(fn, *abstract_args(program), arg_names=program.arg_names, loops="keep",
-              layouts=False)
-  out.layouts, out.output_layouts = program.layouts, program.output_layouts
+  out = MB.traced_step(program, step)
   # The stage dimension of every carry of the two loops (per the carry's structure above).
   n_accs = sum(d is None for d in bdims)
   dims = ([0] * nf + [0] * (nb - n_accs) + [0] * len(needed) + [0] * n_accs

@@ -54,7 +54,7 @@ def _is_key(v) -> bool:
           v.dtype.kind == "V" and not jnp.issubdtype(v.dtype, jnp.floating))
 
 
-def _ancestors(program: Program, targets) -> set[int]:
+def ancestors(program: Program, targets) -> set[int]:
   """Values the `targets` are computed from (themselves included)."""
   seen, stack = set(targets), list(targets)
   while stack:
@@ -75,16 +75,16 @@ def loss_outputs(program: Program) -> tuple[int, ...]:
   reaches, and a step that returns only its state is no less without a loss for it."""
   inputs = set(program.inputs)
   return tuple(v for i, v in enumerate(program.outputs)
-               if i not in program.aliases and inputs & _ancestors(program, [v]))
+               if i not in program.aliases and inputs & ancestors(program, [v]))
 
 
 @per_program
 def roles(program: Program) -> Roles:
   state = program.aliased
   loss = list(loss_outputs(program))
-  read_by_loss = _ancestors(program, loss)
+  read_by_loss = ancestors(program, loss)
   new_params = [o for v in state if v in read_by_loss for o in state[v]]
-  read_by_update = _ancestors(program, new_params)
+  read_by_update = ancestors(program, new_params)
   params, opt, data, model = [], [], [], []
   for vid, name in zip(program.inputs, program.input_names):
     if vid in state and loss:   # without a loss among the outputs, names decide
@@ -167,7 +167,7 @@ def forward_ops(program: Program) -> frozenset[int]:
   if not targets:
     backward = _seeded_ops(program)
     return everything - backward if backward else everything
-  return frozenset(p for v in _ancestors(program, targets)
+  return frozenset(p for v in ancestors(program, targets)
                    if (p := program.values[v].producer) is not None)
 
 
