@@ -202,6 +202,7 @@ def test_the_guarded_policy_answers_as_propose_does_with_micro_batches(capsys, t
   assert row["step_time_s"] == pytest.approx(proposed["cost"]["step_time_s"])
 
 
+@pytest.mark.slow   # on the pinned stack only
 def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   """Pipelines rewrite the program the environment is built on, so the ILP agent tries them
   after its episode: a `Pipeline` over the outermost axis, the ILP over the others. Asked

