@@ -22,6 +22,7 @@ import time
 from typing import NamedTuple
 
 from agents.decoding import TrainedPolicy, play_policy
+from agents.pipelines import PER_STAGE, pipelined
 from agents.search.expert import ExpertPlay, evaluate_experts
 from agents.search.planning import path_to, play
 from corpus.experts import preference
@@ -111,11 +112,14 @@ class Microbatched(NamedTuple):
 
 
 def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = None,
-                          plans: int = 3, largest: int = 64) -> Microbatched | None:
+                          plans: int = 3, largest: int = 64, decide=None, solver=None,
+                          per_stage=PER_STAGE) -> Microbatched | None:
   """The plans that do not fit and are faster than `faster_than` (by default what `guarded`
   played, where it fits; any time where nothing fits) — the policy's and the hand schedules,
   the `plans` fastest — again with the batch cut into 2, 4, 8... micro-batches, up to
-  `largest`, each with the fewest that fit: the fastest of those that fit and beat
+  `largest`, each with the fewest that fit; then pipelines (`agents.pipelines`: the
+  pipelining hand schedules, and `decide`, the policy as an `Auto` over the other axes with
+  `solver`, at `per_stage` micro-batches a stage): the fastest of those that fit and beat
   `faster_than`. None where none does."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
@@ -148,16 +152,13 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
       k *= 2
   # Hand schedules that rewrite the program first (pipelines, `pp+dp` and `ptd-p`) are not
   # actions of the environment, which is built on the program as traced; they are costed here,
-  # on the task's program, and answer where they fit and beat the rest.
+  # on the task's program, at a few micro-batch counts, with the policy's own pipelined plan.
   limit = faster_than if best is None else min(faster_than, best.cost.step_time_s)
-  for h in guarded.hand:
-    if h.cost is not None or not h.schedule.startswith("Pipeline("):
-      continue
-    try:
-      pp = PartitionedProgram(program, ctx.mesh).apply(parse_schedule(h.schedule))
-    except ShardzeroError:   # no scanned stack, or a batch that does not divide
-      continue
-    cost = simulate(pp, ctx.task.hardware)
-    if cost.peak_memory_bytes <= ctx.budget and cost.step_time_s < limit:
-      best, limit = Microbatched(pp.program.microbatches, h.name, pp, cost), cost.step_time_s
+  hand = [(h.name, h.schedule) for h in guarded.hand
+          if h.cost is None and h.schedule.startswith("Pipeline(")]
+  staged = pipelined(program, ctx.mesh, ctx.task.hardware, ctx.budget, decide, solver,
+                     base="policy", hand=hand, per_stage=per_stage)
+  if staged is not None and staged.cost.peak_memory_bytes <= ctx.budget and \
+      staged.cost.step_time_s < limit:
+    best = Microbatched(staged.k, staged.base, staged.pp, staged.cost)
   return best

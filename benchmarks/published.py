@@ -23,6 +23,7 @@ number of virtual stages. Writes docs/published.json and its table into docs/val
 
   python benchmarks/published.py            # a minute: scanned stacks trace once
   python benchmarks/published.py --ilp      # and the ILP without the plan: 15 minutes
+  python benchmarks/published.py --policy policies/default   # and the shipped policy: a minute
 """
 
 from __future__ import annotations
@@ -215,13 +216,13 @@ def predict(run: Run, hardware: str) -> dict:
           "seconds": time.perf_counter() - start}
 
 
-def search(run: Run, hardware: str, seconds: int) -> dict:
-  """The ILP agent on the same model, GPUs and batch without the plan: a mesh of nodes x 8 GPUs
-  (`data`, `model`; for a pipelined row, its nodes as `pipe` x `data` in the published shape),
-  the device's memory as the budget, `seconds` of solver time (and as much again for the
-  pipelines it tries, `launch.evaluation.pipelined_ilp`)."""
+def search(run: Run, hardware: str, agent: str = "ilp:60") -> dict:
+  """An agent (`shardzero evaluate`'s spelling) on the same model, GPUs and batch without the
+  plan: a mesh of nodes x 8 GPUs (`data`, `model`; for a pipelined row, its nodes as `pipe` x
+  `data` in the published shape), the device's memory as the budget; after its episode it
+  meets pipelines over `pipe` (`launch.evaluation.pipelined_plan`; for a guarded policy,
+  `agents.guard.fit_with_microbatches`)."""
   from launch.evaluation import EvalTask, Unit, agent_version, parse_agent, run_unit
-  agent = f"ilp:{seconds}"
   model = f"{Path(__file__).resolve()}:table1_{run.params.lower().replace('.', '_')}"
   mesh = (f"pipe={run.p},data={run.gpus // 8 // run.p},model=8" if run.p > 1 else
           f"data={run.gpus // 8},model=8")
@@ -314,7 +315,7 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
         "not the plan), and after its episode the ILP also tries a `Pipeline` over `pipe` with "
         "the micro-batch counts that divide the batch nearest 2, 4, 8 and 16 a stage, deciding "
         "the other axes itself "
-        "(`launch.evaluation.pipelined_ilp`); the micro-batch sizes are its own.",
+        "(`launch.evaluation.pipelined_plan`); the micro-batch sizes are its own.",
         "",
         "| model | GPUs | published plan: predicted s, TFLOP/s, peak | ILP plan | ILP: predicted s, "
         "TFLOP/s, peak | ILP / published plan | solve s |",
@@ -327,6 +328,28 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
           f"{i['step_time_s']:.2f}, {i['tflops']:.0f}, {i['peak_gib']:.0f} GiB"
           f"{'' if i['fits'] else ' (over)'} | {i['step_time_s'] / r['step_time_s']:.2f} | "
           f"{i['decide_s']:.0f} |")
+  guarded = [r for r in rows if r.get("policy")]
+  if guarded:
+    lines += [
+        "",
+        "### The shipped policy without the plan",
+        "",
+        "The same tasks, answered by a trained policy as `shardzero propose` answers "
+        "(`policy+guard:RUN`: greedy decoding checked against the hand schedules, then "
+        "micro-batches and pipelines at 4 and 8 micro-batches a stage with the policy deciding "
+        "the other axes; `python benchmarks/published.py --policy policies/default`). Decision "
+        "time on the machine that ran it (2 cores).",
+        "",
+        "| model | GPUs | policy plan | policy: predicted s, TFLOP/s, peak | policy / ILP | "
+        "policy / published plan | decided in s |",
+        "|---|---:|---|---|---:|---:|---:|"]
+    for r in guarded:
+      g, i = r["policy"], r.get("ilp")
+      lines.append(
+          f"| {r['model']} | {r['gpus']} | `{g['schedule']}` | {g['step_time_s']:.2f}, "
+          f"{g['tflops']:.0f}, {g['peak_gib']:.0f} GiB{'' if g['fits'] else ' (over)'} | "
+          + (f"{g['step_time_s'] / i['step_time_s']:.2f}" if i else "") +
+          f" | {g['step_time_s'] / r['step_time_s']:.2f} | {g['decide_s']:.1f} |")
   if collectives:
     lines += [
         "",
@@ -384,13 +407,18 @@ def main(argv=None) -> int:
   parser.add_argument("--markdown", default="docs/validation.md")
   parser.add_argument("--ilp", action="store_true",
                       help="also run the ILP agent without the plan on each Table 1 row "
-                           "(about a minute a row; it does not build pipelines)")
+                           "(about a minute a row)")
+  parser.add_argument("--policy", metavar="RUN",
+                      help="also run this trained policy, guarded as `propose` answers "
+                           "(policy+guard:RUN), without the plan on each Table 1 row "
+                           "(seconds a row); e.g. policies/default")
   args = parser.parse_args(argv)
   out = ROOT / args.json
-  before = {}
-  if out.exists() and not args.ilp:
-    before = {(r["table"], r["model"], r["gpus"]): r["ilp"]
-              for r in json.loads(out.read_text())["rows"] if r.get("ilp")}
+  stored = json.loads(out.read_text())["rows"] if out.exists() else []
+  key = lambda r: (r["table"], r["model"], r["gpus"])
+  before = {} if args.ilp else {key(r): r["ilp"] for r in stored if r.get("ilp")}
+  before_policy = {} if args.policy else {key(r): r["policy"] for r in stored
+                                          if r.get("policy")}
   rows = []
   for run in RUNS:
     rows.append(predict(run, args.hardware))
@@ -399,9 +427,16 @@ def main(argv=None) -> int:
     if found:
       r["ilp"] = repriced(run, found, args.hardware)
     if args.ilp and run.table == "1":
-      r["ilp"] = search(run, args.hardware, 60)
+      r["ilp"] = search(run, args.hardware, "ilp:60")
       print(f"{run.params:>8} ILP: {r['ilp']['schedule']} {r['ilp']['step_time_s']:.2f} s "
             f"against {r['step_time_s']:.2f} s", flush=True)
+    found = before_policy.get((run.table, run.params, run.gpus))
+    if found:
+      r["policy"] = repriced(run, found, args.hardware)
+    if args.policy and run.table == "1":
+      r["policy"] = search(run, args.hardware, f"policy+guard:{args.policy}")
+      print(f"{run.params:>8} policy: {r['policy']['schedule']} "
+            f"{r['policy']['step_time_s']:.2f} s in {r['policy']['decide_s']:.1f} s", flush=True)
     got = "n/a" if r["predicted_tflops"] is None else (
         f"{r['predicted_tflops']:.0f} ({r['ratio']:.2f}x, {r['seconds']:.0f} s)")
     print(f"{run.params:>8} {run.plan:<22} {run.gpus:>5} GPUs: published "

@@ -21,8 +21,8 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 4, "random": 1, "greedy": 1, "beam": 1, "mcts": 1, "ilp": 7,
-                  "policy": 4, "policy+mcts": 4, "policy+guard": 1, "policy+mcts+guard": 1}
+AGENT_VERSIONS = {"expert": 4, "random": 1, "greedy": 2, "beam": 2, "mcts": 2, "ilp": 8,
+                  "policy": 4, "policy+mcts": 4, "policy+guard": 2, "policy+mcts+guard": 2}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
                   "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
@@ -174,8 +174,11 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
     if spec.kind.endswith("+guard"):
       from agents.guard import fit_with_microbatches, play_guarded
       g = play_guarded(env, policy, search, spec.number or 1)
+      from launch.auto import solve
       start = time.perf_counter()
-      micro = fit_with_microbatches(env.context, g)
+      decide, per_stage = pipeline_decider(spec, env.context)
+      micro = fit_with_microbatches(env.context, g, decide=decide, solver=solve,
+                                    per_stage=per_stage)
       out = {"decide_s": g.policy_s + g.guard_s + time.perf_counter() - start,
              "simulations": g.simulations,
              "guard": {"winner": g.winner, "policy_step_time_s": g.policy_step_s,
@@ -183,7 +186,7 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
                        "policy_fits": g.policy_fits, "policy_s": g.policy_s,
                        "guard_s": g.guard_s}}
       if micro is not None:   # as `propose` answers: a plan that fits once its batch is cut
-        out["microbatched"] = {"k": micro.k, "base": micro.base, "schedule": micro.pp.strategy,
+        out["microbatched"] = {"k": micro.k, "base": micro.base, "schedule": micro.pp.decided,
                                "step_time_s": micro.cost.step_time_s,
                                "peak_memory_bytes": micro.cost.peak_memory_bytes}
       return out
@@ -200,13 +203,14 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   start = time.perf_counter()
   EnvironmentLoop(env, actor, logger=InMemoryLogger(), should_update=False).run_episode()
   seconds = time.perf_counter() - start
-  if spec.kind == "ilp":
-    s = actor.solution
+  if spec.kind in PIPELINED_AGENTS:
     start = time.perf_counter()
-    staged = pipelined_ilp(env, float(spec.number))
+    staged = pipelined_plan(spec, env, float(spec.number or 0))
     seconds += time.perf_counter() - start
     if staged is not None:
       extra["pipelined"] = staged
+  if spec.kind == "ilp":
+    s = actor.solution
     extra = {**extra, "ilp": {"objective_s": s.objective_s, "simulated_s": s.simulated_s,
                      "linearisation_error": s.simulated_s / s.objective_s - 1
                      if s.objective_s else 0.0,
@@ -219,60 +223,48 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   return {"decide_s": seconds, "simulations": simulations, **extra}
 
 
-def pipelined_ilp(env, seconds: float) -> dict | None:
-  """The ILP again after a `Pipeline` over the mesh's outermost axis (the micro-batch counts
-  that divide the batch nearest 2, 4, 8 and 16 a stage; the ILP decides the other axes,
-  `seconds` / 4 each), where the step has a scanned layer stack: the best of those that beats
-  the plan `env` ended in (fits the budget where it did not, or is faster), as the schedule
-  and its cost; None otherwise. Pipelines are not actions of the environment (they rewrite
-  the program it is built on), so the ILP meets them here, as `propose` meets
-  micro-batches."""
-  from agents.search.auto import solve
+# Search agents whose plan is checked against pipelines after their episode, each deciding the
+# other axes of the pipelined program itself (`agents.pipelines`); the guarded policies meet
+# them in `agents.guard.fit_with_microbatches`, as `propose` does. The raw policy agents,
+# random and the expert replay stay as they are, so that what a policy plays alone stays
+# measured.
+PIPELINED_AGENTS = ("greedy", "beam", "mcts", "ilp")
+
+
+def pipeline_decider(spec: AgentSpec, ctx, seconds: float = 0.0):
+  """How `spec`'s agent decides the other axes of a pipelined program, and at how many
+  micro-batches a stage it tries: an `Auto` with the same agent (a policy guarded as
+  `Auto(policy=...)` is; the ILP with a quarter of its time a count) at 2, 4, 8 and 16 for the
+  ILP, 4 and 8 for the others, which answer in seconds."""
+  from partitioner.tactics import Auto
+  memory = dict(hardware=ctx.hardware.name, memory=str(ctx.budget))
+  if spec.run is not None:
+    search = "mcts" if spec.kind.startswith("policy+mcts") else "greedy"
+    return (lambda rest: Auto(rest, policy=spec.run, agent=search, budget=spec.number or 1,
+                              **memory)), (4, 8)
+  if spec.kind == "ilp":
+    return (lambda rest: Auto(rest, agent="ilp", budget=max(1, int(seconds / 4)), **memory)), \
+        (2, 4, 8, 16)
+  return (lambda rest: Auto(rest, agent=spec.kind, budget=spec.number or 50, **memory)), (4, 8)
+
+
+def pipelined_plan(spec: AgentSpec, env, seconds: float = 0.0) -> dict | None:
+  """`spec`'s agent again after a `Pipeline` over the mesh's outermost axis, where the step has
+  a scanned layer stack (`agents.pipelines.pipelined`, `pipeline_decider`): the best that beats
+  the plan `env` ended in, as the row's schedule and cost; None where none does."""
+  from agents.pipelines import pipelined
   from environments.tasks import load_program
-  from partitioner.cost import simulate
-  from partitioner.microbatch import batch_inputs
-  from partitioner.partition import PartitionedProgram
-  from partitioner.tactics import Auto, Pipeline
+  from launch.auto import solve
   ctx = env.context
-  names = ctx.mesh.names
-  program = load_program(ctx.task.model)
-  if len(names) < 2 or ctx.mesh.size(names[0]) < 2 or not program.loops:
+  decide, per_stage = pipeline_decider(spec, ctx, seconds)
+  staged = pipelined(load_program(ctx.task.model), ctx.mesh, ctx.hardware, ctx.budget, decide,
+                     solve, base=spec.kind, per_stage=per_stage, beat=env.exact_cost)
+  if staged is None:
     return None
-  stages = ctx.mesh.size(names[0])
-  rest = "+".join(names[1:])
-  try:
-    _, n = batch_inputs(program, 1, "Pipeline")
-  except ShardzeroError:
-    return None
-  # Micro-batch counts that divide the batch, nearest 2, 4, 8 and 16 a stage; preferably
-  # those whose micro-batch also divides over the data axes (all but the pipeline's and the
-  # innermost; the second on a mesh of two).
-  data = math.prod(ctx.mesh.size(a) for a in names[1:-1]) if len(names) > 2 else \
-      ctx.mesh.size(names[1])
-  divides = [m for m in range(stages, 16 * stages + 1) if n % m == 0]
-  counts = [m for m in divides if (n // m) % data == 0] or divides
-  counts = sorted({min(counts, key=lambda m: abs(m - k * stages)) for k in (2, 4, 8, 16)}
-                  if counts else ())
-  standing = lambda cost: (cost.peak_memory_bytes > ctx.budget, cost.step_time_s)
-  best, best_cost = None, env.exact_cost
-  for m in counts:
-    tactics = [Pipeline(names[0], microbatches=m),
-               Auto(rest, agent="ilp", budget=max(1, int(seconds / 4)),
-                    hardware=ctx.hardware.name, memory=str(ctx.budget))]
-    try:
-      pp = PartitionedProgram(program, ctx.mesh).apply(tactics, solver=solve)
-    except ShardzeroError:   # no stack, or a batch that does not divide
-      continue
-    cost = simulate(pp, ctx.hardware)
-    if standing(cost) < standing(best_cost):
-      best, best_cost = pp, cost
-  if best is None:
-    return None
-  chose = next(n for n in best.reports[-1].notes if n.startswith("chose: "))[len("chose: "):]
-  schedule = "; ".join(t for t in (str(best.schedule[0]), chose) if t and t != "nothing")
-  return {"schedule": schedule, "step_time_s": best_cost.step_time_s,
-          "peak_memory_bytes": best_cost.peak_memory_bytes,
-          "fits": best_cost.peak_memory_bytes <= ctx.budget}
+  return {"schedule": staged.schedule, "microbatches": staged.k,
+          "step_time_s": staged.cost.step_time_s,
+          "peak_memory_bytes": staged.cost.peak_memory_bytes,
+          "fits": staged.cost.peak_memory_bytes <= ctx.budget}
 
 
 def _policy(run: str):

@@ -119,7 +119,12 @@ def run(args) -> int:
     status.start()
     status.update("trying the faster plans that do not fit with micro-batches, and pipelines")
   try:
-    micro = fit_with_microbatches(ctx, guarded)
+    from launch.auto import solve
+    from launch.evaluation import AgentSpec, pipeline_decider
+    kind = "policy+mcts+guard" if args.search == "mcts" else "policy+guard"
+    decide, per_stage = pipeline_decider(AgentSpec(kind, run_dir, args.budget), ctx)
+    micro = fit_with_microbatches(ctx, guarded, decide=decide, solver=solve,
+                                  per_stage=per_stage)
   finally:
     if status:
       status.stop()
@@ -134,8 +139,8 @@ def run(args) -> int:
            "outside the search environment, which cannot play a rewrite)" if stages > 1 else
            f"with its batch cut into {micro.k} micro-batches")
     result.update({
-        "schedule": found.strategy, "tactics": [str(t) for t in found.schedule],
-        "cost": _cost_dict(cost, ctx.budget), "answer": found.strategy, "fits": True,
+        "schedule": found.decided, "tactics": found.decided.split("; "),
+        "cost": _cost_dict(cost, ctx.budget), "answer": found.decided, "fits": True,
         "winner": micro.base if stages > 1 else f"{micro.base} with Microbatch({micro.k})",
         "microbatches": micro.k,
         "guard": f"{guarded.summary()}; {how}, {base} {gain}",

@@ -102,6 +102,19 @@ class PartitionedProgram:
   def strategy(self) -> str:
     return format_schedule(self.schedule)
 
+  @property
+  def decided(self) -> str:
+    """The schedule with each `Auto` written as the tactics it chose: the same plan, which
+    replays without a solver."""
+    out = []
+    for tactic, report in zip(self.schedule, self.reports):
+      chose = [n[len("chose: "):] for n in report.notes if n.startswith("chose: ")]
+      if not chose:
+        out.append(str(tactic))
+      elif chose[0] != "nothing":
+        out.append(chose[0])
+    return "; ".join(out)
+
   def sharding(self, name: str) -> Sharding:
     return self.state.sharding(self.program.value(name).id)
 

@@ -209,13 +209,13 @@ def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   from the unpartitioned start, which does not fit 3 MiB, it answers with a pipelined plan
   that does, and the schedule replays to the cost it reports."""
   from environments import PartitioningEnv
-  from launch.evaluation import EvalTask, pipelined_ilp
+  from launch.evaluation import EvalTask, parse_agent, pipelined_plan
   from partitioner.cost import simulate
   import partitioner as P
   task = EvalTask("gpt:small,layers=2,scan=true,batch=16", "stage=2,batch=4", "h100", "3MiB")
   env = PartitioningEnv(task.resolve())
   env.reset()
-  staged = pipelined_ilp(env, 4)
+  staged = pipelined_plan(parse_agent("ilp:4"), env, 4)
   assert staged is not None and staged["fits"]
   assert staged["schedule"].startswith("Pipeline(stage, microbatches=")
   w = corpus.load("gpt:small,layers=2,scan=true,batch=16")
@@ -225,4 +225,4 @@ def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   # No loop, no pipeline.
   env = PartitioningEnv(EvalTask("mlp:small", "stage=2,batch=4", "h100", "device").resolve())
   env.reset()
-  assert pipelined_ilp(env, 4) is None
+  assert pipelined_plan(parse_agent("ilp:4"), env, 4) is None

@@ -1,0 +1,105 @@
+"""Pipelines for every agent.
+
+`Pipeline` rewrites the program the environment is built on (stage-stacked weights, a loop
+over micro-batches), so it is no action of the environment, whose decision points and
+observations are those of the program as traced. Agents meet it after their episode instead:
+the program is pipelined over the mesh's outermost axis at a few micro-batch counts, the same
+agent decides the other axes of each (`Auto` over them: a search agent, or a trained policy
+checked against the hand schedules by `launch.auto.solve`), and the hand schedules that
+pipeline (`ptd-p`, `pp+dp`) are costed at the same counts. The best of those wins where it
+beats the episode's plan by the one rule (`corpus.experts.preference`: what fits first, then
+the fastest).
+
+Which micro-batch counts: those that divide the batch, nearest 2, 4, 8 and 16 a stage
+(`PER_STAGE`; fewer for the agents that must answer in seconds), preferring those whose
+micro-batch also divides over the data axes. More micro-batches shrink the bubble
+((S-1)/(M+S-1)) and the activations a stage keeps, and make each stage's matmuls smaller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple, Sequence
+
+from corpus.experts import preference
+from partitioner.errors import ShardzeroError
+
+PER_STAGE = (2, 4, 8, 16)   # micro-batches per stage tried by default
+
+
+class Pipelined(NamedTuple):
+  """The best pipelined plan found: its micro-batches, what decided the other axes (`base`:
+  the agent, or a hand schedule's name), the partitioned program, its cost and schedule."""
+  k: int
+  base: str
+  pp: object
+  cost: object
+  schedule: str
+
+
+def microbatch_counts(batch: int, stages: int, data: int,
+                      per_stage: Sequence[int] = PER_STAGE) -> tuple[int, ...]:
+  """Micro-batch counts for a batch of `batch` over `stages` stages: divisors of the batch
+  from `stages` to 16 a stage, those whose micro-batch divides over `data` devices where any
+  does, the one nearest each of `per_stage` stages' worth."""
+  divides = [m for m in range(stages, 16 * stages + 1) if batch % m == 0]
+  counts = [m for m in divides if (batch // m) % data == 0] or divides
+  return tuple(sorted({min(counts, key=lambda m: abs(m - k * stages)) for k in per_stage})
+               if counts else ())
+
+
+def _data_size(mesh) -> int:
+  """The devices a micro-batch is split over: every axis but the pipeline's (the outermost)
+  and the innermost (tensor parallelism, within a node); the second on a mesh of two."""
+  names = mesh.names
+  return (math.prod(mesh.size(a) for a in names[1:-1]) if len(names) > 2 else
+          mesh.size(names[1]))
+
+
+def _with_count(schedule, m: int) -> list:
+  """A hand schedule's tactics with its pipeline streaming `m` micro-batches."""
+  from partitioner.tactics import Pipeline, parse_schedule
+  return [dataclasses.replace(t, microbatches=m) if isinstance(t, Pipeline) else t
+          for t in parse_schedule(schedule)]
+
+
+def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], object] | None,
+              solver=None, *, base: str = "agent", hand: Sequence[tuple[str, str]] = (),
+              per_stage: Sequence[int] = PER_STAGE, beat=None) -> Pipelined | None:
+  """The best plan that pipelines `program` over `mesh`'s outermost axis: for each
+  micro-batch count, `decide(rest)` (an `Auto` tactic over the other axes, applied with
+  `solver`) and each pipelining hand schedule of `hand` ((name, schedule) pairs). Only one
+  that beats `beat` (a CostReport; None: anything) by `preference` counts. None where the
+  program has no scanned layer stack, the mesh one axis, or nothing beats `beat`."""
+  from partitioner.cost import simulate
+  from partitioner.microbatch import batch_inputs
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import Pipeline
+  names = mesh.names
+  if len(names) < 2 or mesh.size(names[0]) < 2 or not program.loops:
+    return None
+  try:
+    _, n = batch_inputs(program, 1, "Pipeline")
+  except ShardzeroError:
+    return None
+  standing = lambda c: preference(c.step_time_s, c.peak_memory_bytes,
+                                  c.peak_memory_bytes <= budget)
+  best, best_key = None, None if beat is None else standing(beat)
+  stages = mesh.size(names[0])
+  rest = "+".join(names[1:])
+  tries = []
+  for m in microbatch_counts(n, stages, _data_size(mesh), per_stage):
+    if decide is not None:
+      tries.append((m, base, [Pipeline(names[0], microbatches=m), decide(rest)]))
+    tries += [(m, name, _with_count(schedule, m)) for name, schedule in hand
+              if schedule.startswith(f"Pipeline({names[0]}")]
+  for m, name, tactics in tries:
+    try:
+      pp = PartitionedProgram(program, mesh).apply(tactics, solver=solver)
+    except ShardzeroError:   # no stack, a batch that does not divide, nothing fits the rest
+      continue
+    cost = simulate(pp, hardware)
+    if best_key is None or standing(cost) < best_key:
+      best, best_key = Pipelined(m, name, pp, cost, pp.decided), standing(cost)
+  return best

@@ -1,0 +1,64 @@
+"""Every agent meets pipelines after its episode (`agents.pipelines`): the micro-batch counts
+tried, a search agent's pipelined plan replays to the cost it reports, and `propose` answers
+Megatron-LM's 1T (3,072 A100s, as published) with a pipelined plan of the shipped policy's."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import corpus
+import partitioner as P
+from agents.pipelines import microbatch_counts
+from partitioner.cost import simulate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_micro_batch_counts_divide_the_batch_and_its_data_axes():
+  # 1T: 3,072 sequences, 64 stages, 6 data-parallel ranks: the micro-batch counts whose
+  # micro-batches divide over 6 are the divisors of 512.
+  assert microbatch_counts(3072, 64, 6) == (128, 256, 512)
+  assert microbatch_counts(3072, 64, 6, per_stage=(4, 8)) == (256, 512)
+  # Where no count divides the data axes, the nearest that divide the batch.
+  assert microbatch_counts(16, 2, 3) == (4, 8, 16)
+  assert microbatch_counts(7, 2, 1) == (7,)   # the only divisor from 2 to 32
+  assert microbatch_counts(7, 8, 1) == ()
+
+
+def test_a_search_agent_s_pipelined_plan_replays_to_its_cost():
+  from environments import PartitioningEnv
+  from launch.evaluation import EvalTask, parse_agent, pipelined_plan
+  model = "gpt:small,layers=2,scan=true,batch=16"
+  task = EvalTask(model, "stage=2,batch=4", "h100", "3MiB")
+  env = PartitioningEnv(task.resolve())
+  env.reset()                     # the unpartitioned start does not fit 3 MiB
+  staged = pipelined_plan(parse_agent("greedy"), env)
+  assert staged is not None and staged["fits"]
+  assert staged["schedule"].startswith(f"Pipeline(stage, microbatches={staged['microbatches']})")
+  assert "Auto" not in staged["schedule"]
+  w = corpus.load(model)
+  cost = simulate(P.apply(P.trace(w.fn, *w.args), "stage=2,batch=4", staged["schedule"]), "h100")
+  assert cost.step_time_s == pytest.approx(staged["step_time_s"], rel=1e-9)
+  # No loop, no pipeline.
+  env = PartitioningEnv(EvalTask("mlp:small", "stage=2,batch=4", "h100", "device").resolve())
+  env.reset()
+  assert pipelined_plan(parse_agent("greedy"), env) is None
+
+
+def test_propose_answers_the_1t_model_with_a_pipeline_that_fits(tmp_path):
+  """Megatron-LM's 1T on its published 3,072 A100s (pipe=64, data=6, model=8, batch 3,072):
+  no plan without pipelines both fits 80 GB and is fast (ZeRO-3 fits at 1.6x the pipelined
+  step); the shipped policy, deciding the data and model axes of the pipelined program, does."""
+  from launch.cli import main
+  out = tmp_path / "p.json"
+  model = f"{ROOT / 'benchmarks' / 'published.py'}:table1_1008_0b"
+  assert main(["propose", model, "--mesh", "pipe=64,data=6,model=8", "--hardware", "a100-80gb",
+               "--json", str(out)]) == 0
+  result = json.loads(out.read_text())
+  assert result["fits"] and result["winner"] == "policy"
+  assert result["answer"].startswith("Pipeline(pipe, microbatches=")
+  assert "Auto" not in result["answer"]
+  zero3 = next(h for h in result["hand_schedules"] if h["name"] == "zero3")
+  assert result["cost"]["step_time_s"] < zero3["step_time_s"] / 1.5
+  assert result["cost"]["peak_memory_bytes"] <= 80 * 2**30
