@@ -6,9 +6,10 @@
 # programs priced hold fused projections interleaved and odd vocabularies padded,
 # partitioner/layouts.py; 8: GPU collectives priced as NCCL runs them, its rings, trees,
 # protocols and latencies per step, partitioner/cost/communication.py; 9: a gather reads the
-# rows it gathers and an update in place moves the update, not the whole buffer), so that
+# rows it gathers and an update in place moves the update, not the whole buffer; 10: a loop's
+# entry and exit move nothing, its body reads the slices it uses), so that
 # stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 9
+COST_MODEL_VERSION = 10
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware
