@@ -6,7 +6,8 @@ observations are those of the program as traced. Agents meet it after their epis
 the program is pipelined over the mesh's outermost axis at a few micro-batch counts, the same
 agent decides the other axes of each (`Auto` over them: a search agent, or a trained policy
 checked against the hand schedules by `launch.auto.solve`), and the hand schedules that
-pipeline (`ptd-p`, `pp+dp`) are costed at the same counts. The best of those wins where it
+pipeline (`ptd-p`, `pp+dp`) are costed at the same counts; each of those plans also with its
+hand-overs split over the innermost axis (`StageScatter`). The best of those wins where it
 beats the episode's plan by the one rule (`corpus.experts.preference`: what fits first, then
 the fastest).
 
@@ -99,7 +100,20 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
       pp = PartitionedProgram(program, mesh).apply(tactics, solver=solver)
     except ShardzeroError:   # no stack, a batch that does not divide, nothing fits the rest
       continue
-    cost = simulate(pp, hardware)
-    if best_key is None or standing(cost) < best_key:
-      best, best_key = Pipelined(m, name, pp, cost, pp.decided), standing(cost)
+    for plan in (pp, _scattered(pp, names[-1])):
+      if plan is None:
+        continue
+      cost = simulate(plan, hardware)
+      if best_key is None or standing(cost) < best_key:
+        best, best_key = Pipelined(m, name, plan, cost, plan.decided), standing(cost)
   return best
+
+
+def _scattered(pp, axis: str):
+  """`pp` with its hand-overs split over `axis` (`StageScatter`: less to send between stages
+  and to keep, a gather where the layers read them); None where that does not apply."""
+  from partitioner.tactics import StageScatter
+  try:
+    return pp.apply([StageScatter(axis)])
+  except ShardzeroError:
+    return None

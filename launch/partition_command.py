@@ -38,6 +38,8 @@ Tactics (separated by ';'):
                                  pipeline stages of a scanned layer stack over AXIS (one
                                  per device; M micro-batches, 4 a stage by default; first
                                  in the schedule)
+  StageScatter(AXIS)             split a pipeline's hand-overs and kept activations over
+                                 AXIS (Megatron-LM's scatter/gather; after Megatron)
 """
 
 EXAMPLES = """\

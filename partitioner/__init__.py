@@ -8,8 +8,8 @@ from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram, apply
 from partitioner.sharding import Sharding
 from partitioner.tactics import (Auto, BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 Microbatch, Pipeline, Replicate, SequenceParallel, Tactic, Tile, ZeRO,
-                                 parse_schedule)
+                                 Microbatch, Pipeline, Replicate, SequenceParallel, StageScatter,
+                                 Tactic, Tile, ZeRO, parse_schedule)
 from partitioner.tracing import trace
 
 
@@ -29,6 +29,7 @@ __all__ = [
     "Auto", "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
     "Microbatch",
     "Op", "Pipeline", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
-    "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "Tactic", "Tile", "Value",
+    "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "StageScatter", "Tactic",
+    "Tile", "Value",
     "WorkloadError", "ZeRO", "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",
 ]

@@ -413,7 +413,25 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
 
   out = MB.traced_step(program, step)
   out.stage_values = _stage_values(out, S, T, (nf, nb, nb_grads))
+  # What crosses stages: the forward loop's activations and the backward loop's gradients of
+  # them (not its sums).
+  out.handed = _handed(out, ((T, False, nf, range(nf)),
+                             (T, True, nb + nb_grads, [j for j, d in enumerate(
+                                 stack.backward_carries) if d is not None])))
   return out
+
+
+def _handed(program: Program, loops) -> tuple:
+  """(value, last dimension) of the carries that hold per-example activations or their
+  gradients, one slot per stage: `loops` lists (length, reverse, carries, which) of the
+  pipeline's top-level loops."""
+  out = []
+  for r in program.regions:
+    for length, reverse, n, which in loops:
+      if r.parent < 0 and r.length == length and r.reverse == reverse and r.num_carry == n:
+        init = program.ops[r.enter].inputs
+        out += [(init[j], program.values[init[j]].rank - 1) for j in which]
+  return tuple(out)
 
 
 def _stage_values(program: Program, S: int, T: int, carries: tuple[int, int, int]):
@@ -709,4 +727,8 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
         init = out.ops[r.enter].inputs[:r.num_carry]
         found += [(v, d) for v, d in zip(init, ds) if d is not None]
   out.stage_values = tuple(found)
+  # What crosses stages and what a stage keeps: the activations, their gradients, the ring.
+  handed = range(nf + nb - n_accs + len(needed))
+  out.handed = _handed(out, ((S - 1, False, len(forward_only), handed),
+                             (M + S - 1, False, len(dims), handed)))
   return out

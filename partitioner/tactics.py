@@ -206,6 +206,37 @@ class Pipeline(ProgramRewrite):
 
 @register
 @dataclasses.dataclass(frozen=True)
+class StageScatter(Tactic):
+  """Megatron-LM's scatter/gather of a pipeline's hand-overs: the activations crossing stages
+  (and their gradients), and those a stage keeps for its backward pass, held split over `axis`
+  along their features; a stage gathers them where its layers read them. A hand-over then
+  moves 1/n of its bytes over each device's own link, and a stage keeps 1/n of them. It comes
+  after the tactics that shard the layers over `axis` (Megatron): applied before them, the
+  split features would reach the weights first."""
+  axis: str
+  name: ClassVar[str] = "StageScatter"
+
+  def apply(self, ctx):
+    ctx.mesh.check_axis(self.axis)
+    handed = ctx.program.handed
+    if not handed:
+      raise ScheduleError(f"{self}: the program is not pipelined (a Pipeline comes first in "
+                          "the schedule)")
+    n, dims, values = ctx.mesh.size(self.axis), ctx.state.dims, ctx.program.values
+    # What the layers' tactics split over the axis already (attention by heads under
+    # Megatron), and features that do not divide (a norm's statistics), stay as they are.
+    split = [(v, d) for v, d in handed if values[v].shape[d] % n == 0 and
+             not any(self.axis in axes for axes in dims[v])]
+    if not split:
+      raise ScheduleError(f"{self}: nothing a stage hands over or keeps has features that "
+                          f"divide over {self.axis}={n} and are not split over it already")
+    for vid, dim in split:
+      ctx.tile(vid, dim, self.axis)
+    ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
 class Tile(Tactic):
   """Tiles dimension `dim` of every value matching `value` over mesh axis `axis`."""
   value: str

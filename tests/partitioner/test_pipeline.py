@@ -118,6 +118,32 @@ def test_the_hand_over_is_one_collective_permute_each_way_as_xla_compiles_it(gpt
   assert sorted(c.bytes for c in compiled) == [row, row]
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.slow)])
+def test_stage_scatter_splits_the_hand_over_and_what_a_stage_keeps(gpt, schedule):
+  """Megatron-LM's scatter/gather: the activations crossing stages are split over the tensor
+  axis, so each permute moves half the bytes over `model=2`, the stages keep less, and the
+  step is still exact."""
+  fn, args, program = gpt
+  base = (f"Pipeline(stage, microbatches=2, schedule={schedule}); BatchParallel(batch); "
+          "Megatron(model)")
+  plain, split = (P.apply(program, "stage=2,batch=2,model=2", s)
+                  for s in (base, base + "; StageScatter(model)"))
+  moved = lambda pp: sorted(c.bytes for c in pp.collectives if c.kind == "collective-permute")
+  assert moved(split) == [b // 2 for b in moved(plain)]
+  assert simulate(split, "h100").peak_memory_bytes < simulate(plain, "h100").peak_memory_bytes
+  assert any(c.kind == "all-gather" and c.axes == ("model",) for c in split.collectives)
+  result = verify(split, args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_stage_scatter_needs_a_pipeline_and_features_that_divide(gpt):
+  fn, args, program = gpt
+  with pytest.raises(ScheduleError, match="not pipelined"):
+    P.apply(program, "batch=2,model=4", "BatchParallel(batch); StageScatter(model)")
+  with pytest.raises(ScheduleError, match="divide over model=3"):
+    P.apply(program, "stage=2,model=3", "Pipeline(stage, microbatches=2); StageScatter(model)")
+
+
 def test_more_micro_batches_shrink_the_bubble(gpt):
   fn, args, program = gpt
   flops = {m: simulate(P.apply(program, "stage=4",
