@@ -45,6 +45,8 @@ CASES = [  # (argv with {tmp}, what the one line says)
      "pickled checkpoint"),
     (["propose", "mlp:small", "--mesh", "batch=8", "--policy", "{tmp}/nowhere"],
      "is not a training run"),
+    (["propose", "mlp:small", "--mesh", "batch=8", "--memory-margin", "1.5"],
+     "--memory-margin must be in [0, 1)"),
     (["train", "--run-dir", "{tmp}/r1", "--set", "nonsense=1"], "unknown ppo settings"),
     (["train", "--run-dir", "{tmp}/r2", "--set", "learning_rate=fast"],
      "learning_rate takes a float"),

@@ -135,3 +135,22 @@ def test_the_policy_trained_on_the_pinned_stack_plays_the_same_plan_on_this_one(
   schedule, peak, step = PINNED_PLAN
   assert code == 0 and plan["schedule"] == schedule and plan["peak_memory_bytes"] == peak
   assert abs(plan["step_time_s"] / step - 1) < 0.05, (jax.__version__, plan["step_time_s"])
+
+
+def test_the_answer_keeps_the_memory_margin_free(capsys, tmp_path):
+  """A budget the margin-free answer fills to 96%: with the default margin (10% kept free) the
+  answer is another plan, whose peak is within 90% of the budget."""
+  def answer(*extra):
+    path = tmp_path / f"p{len(extra)}.json"
+    code, _, _ = run(capsys, "propose", SCANNED, "--mesh", "batch=4,model=2", "--json",
+                     str(path), *extra)
+    return code, json.loads(path.read_text())
+  _, free = answer("--memory-margin", "0")
+  budget = int(free["cost"]["peak_memory_bytes"] / 0.96)
+  code, tight = answer("--memory-margin", "0", "--memory-budget", str(budget))
+  assert code == 0 and tight["answer"] == free["answer"]
+  code, kept = answer("--memory-budget", str(budget))
+  assert kept["memory_margin"] == 0.1 and kept["planned_budget_bytes"] == int(budget * 0.9)
+  assert kept["memory_budget_bytes"] == budget
+  assert code == 0 and kept["answer"] != free["answer"]
+  assert kept["cost"]["peak_memory_bytes"] <= 0.9 * budget
