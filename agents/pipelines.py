@@ -94,7 +94,7 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
     if decide is not None:
       tries.append((m, base, [Pipeline(names[0], microbatches=m), decide(rest)]))
     tries += [(m, name, _with_count(schedule, m)) for name, schedule in hand
-              if schedule.startswith(f"Pipeline({names[0]}")]
+              if schedule.split(";")[0].strip() == f"Pipeline({names[0]})"]
   for m, name, tactics in tries:
     try:
       pp = PartitionedProgram(program, mesh).apply(tactics, solver=solver)

@@ -34,6 +34,10 @@ Agents:
   policy+mcts+guard:RUN[:SIMS]
                           policy-guided MCTS checked the same way
 
+Where the step has a scanned layer stack, every agent but random and the raw policies also
+tries its plan pipelined over the mesh's outermost axis at a few micro-batch counts, deciding
+the other axes itself (the expert: the pipelining hand schedules), and keeps the better.
+
 Tasks come from --suite (bundled: quick, scales, external; or a YAML file: launch/suites.py) or
 --models x --meshes x --hardware x --memory-budget. Prints a table per number of devices and a
 summary per agent and scale (mean ratio, share within 10%, decision time); --json, --csv,

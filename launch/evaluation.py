@@ -21,7 +21,7 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 4, "random": 1, "greedy": 2, "beam": 2, "mcts": 2, "ilp": 8,
+AGENT_VERSIONS = {"expert": 5, "random": 1, "greedy": 2, "beam": 2, "mcts": 2, "ilp": 8,
                   "policy": 4, "policy+mcts": 4, "policy+guard": 2, "policy+mcts+guard": 2}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
                   "beam": 200}
@@ -173,8 +173,8 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
     search = "mcts" if spec.kind.startswith("policy+mcts") else "greedy"
     if spec.kind.endswith("+guard"):
       from agents.guard import fit_with_microbatches, play_guarded
-      g = play_guarded(env, policy, search, spec.number or 1)
       from launch.auto import solve
+      g = play_guarded(env, policy, search, spec.number or 1)
       start = time.perf_counter()
       decide, per_stage = pipeline_decider(spec, env.context)
       micro = fit_with_microbatches(env.context, g, decide=decide, solver=solve,
@@ -223,12 +223,12 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   return {"decide_s": seconds, "simulations": simulations, **extra}
 
 
-# Search agents whose plan is checked against pipelines after their episode, each deciding the
-# other axes of the pipelined program itself (`agents.pipelines`); the guarded policies meet
-# them in `agents.guard.fit_with_microbatches`, as `propose` does. The raw policy agents,
-# random and the expert replay stay as they are, so that what a policy plays alone stays
-# measured.
-PIPELINED_AGENTS = ("greedy", "beam", "mcts", "ilp")
+# Agents whose plan is checked against pipelines after their episode (`agents.pipelines`): the
+# search agents each deciding the other axes of the pipelined program itself, the expert with
+# the pipelining hand schedules; the guarded policies meet them in
+# `agents.guard.fit_with_microbatches`, as `propose` does. The raw policy agents and random
+# stay as they are, so that what a policy plays alone stays measured.
+PIPELINED_AGENTS = ("expert", "greedy", "beam", "mcts", "ilp")
 
 
 def pipeline_decider(spec: AgentSpec, ctx, seconds: float = 0.0):
@@ -238,6 +238,8 @@ def pipeline_decider(spec: AgentSpec, ctx, seconds: float = 0.0):
   ILP, 4 and 8 for the others, which answer in seconds."""
   from partitioner.tactics import Auto
   memory = dict(hardware=ctx.hardware.name, memory=str(ctx.budget))
+  if spec.kind == "expert":   # the pipelining hand schedules alone (`pipelined_plan`)
+    return None, (2, 4, 8, 16)
   if spec.run is not None:
     search = "mcts" if spec.kind.startswith("policy+mcts") else "greedy"
     return (lambda rest: Auto(rest, policy=spec.run, agent=search, budget=spec.number or 1,
@@ -257,8 +259,19 @@ def pipelined_plan(spec: AgentSpec, env, seconds: float = 0.0) -> dict | None:
   from launch.auto import solve
   ctx = env.context
   decide, per_stage = pipeline_decider(spec, ctx, seconds)
+  hand = ()
+  if spec.kind == "expert":
+    from corpus.experts import experts
+    from corpus.registry import family_of
+    from partitioner.cost import Placement
+    hand = [(name, schedule) for name, schedule in experts(
+        family_of(ctx.task.model), ctx.axes, Placement(ctx.mesh, ctx.hardware).innermost()
+    ).items() if schedule.startswith("Pipeline(")]
+    if not hand:
+      return None
   staged = pipelined(load_program(ctx.task.model), ctx.mesh, ctx.hardware, ctx.budget, decide,
-                     solve, base=spec.kind, per_stage=per_stage, beat=env.exact_cost)
+                     solve, base=spec.kind, hand=hand, per_stage=per_stage,
+                     beat=env.exact_cost)
   if staged is None:
     return None
   return {"schedule": staged.schedule, "microbatches": staged.k,

@@ -62,3 +62,17 @@ def test_propose_answers_the_1t_model_with_a_pipeline_that_fits(tmp_path):
   zero3 = next(h for h in result["hand_schedules"] if h["name"] == "zero3")
   assert result["cost"]["step_time_s"] < zero3["step_time_s"] / 1.5
   assert result["cost"]["peak_memory_bytes"] <= 80 * 2**30
+
+
+def test_the_expert_agent_costs_the_pipelining_hand_schedules():
+  from environments import PartitioningEnv
+  from launch.evaluation import EvalTask, parse_agent, pipelined_plan
+  model = "gpt:small,layers=2,scan=true,batch=16"
+  env = PartitioningEnv(EvalTask(model, "stage=2,batch=4", "h100", "3MiB").resolve())
+  env.reset()                     # the unpartitioned start does not fit 3 MiB
+  staged = pipelined_plan(parse_agent("expert"), env)
+  assert staged is not None and staged["fits"]
+  assert staged["schedule"].startswith(f"Pipeline(stage, microbatches={staged['microbatches']})")
+  w = corpus.load(model)
+  cost = simulate(P.apply(P.trace(w.fn, *w.args), "stage=2,batch=4", staged["schedule"]), "h100")
+  assert cost.step_time_s == pytest.approx(staged["step_time_s"], rel=1e-9)

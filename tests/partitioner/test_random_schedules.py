@@ -21,7 +21,7 @@ FAMILIES = ("mlp", "gpt", "resnet", "gnn", "moe", "ssm", "hf_gpt2")
 
 
 @seed(20261125)
-@settings(max_examples=7, deadline=None, database=None,
+@settings(max_examples=5, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(fuzz.cases(families=FAMILIES))
 def test_random_schedules_partition_correctly(case):
