@@ -163,7 +163,7 @@ def test_three_spellings_of_one_step_get_the_same_roles_points_and_costs():
 
 def test_model_state_is_neither_parameter_nor_optimizer_state():
   import corpus
-  workload = corpus.load("resnet:small")
+  workload = corpus.load("resnet:small", abstract=True)
   program = P.trace(workload.fn, *workload.args)
   roles = R.roles(program)
   assert roles.model_state and all(program.name(v).startswith("model_state/")
