@@ -160,6 +160,8 @@ _REFERENCES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _digest(x) -> tuple:
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)   # typed PRNG keys have no NumPy form
   a = np.asarray(x)
   return a.shape, a.dtype.str, hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
 
