@@ -18,6 +18,7 @@ environment cannot play.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import NamedTuple
 
@@ -36,6 +37,7 @@ class Guarded(NamedTuple):
   policy_step_s: float          # the policy's own plan, as the simulator costs it
   policy_peak_bytes: float
   policy_fits: bool
+  policy_argument_bytes: float  # of its peak, the inputs (parameters, optimizer state, batch)
   policy_schedule: str
   best_hand: ExpertPlay | None  # the best hand schedule (None where none applies)
   hand: tuple[ExpertPlay, ...]  # every hand schedule, with why those that did not apply failed
@@ -98,8 +100,31 @@ def play_guarded(env, policy: TrainedPolicy, search: str = "greedy",
       env.step(env.finish_action)
     winner, fits = best_hand.name, bool(best_hand.fits)
   return Guarded(winner, fits, cost.step_time_s, cost.peak_memory_bytes, policy_fits,
+                 cost.memory.argument_bytes,
                  line.partitioned.strategy, best_hand, hand, policy_s, simulations,
                  time.perf_counter() - began)
+
+
+def _first_count(peak: float, arguments: float, budget: float) -> int | None:
+  """The fewest micro-batches (2, 4, 8...) that could fit a plan whose peak is `peak` with
+  `arguments` of it its inputs: None where the inputs alone are over `budget` (cutting the
+  batch leaves them whole); else the count at which the rest, shrinking k-fold (it shrinks no
+  faster), would fit. Each count traces the step again (0.6 s for Megatron-LM's 1T on 2
+  cores), so counts that cannot fit are not tried."""
+  if arguments >= budget:
+    return None
+  return max(2, 2 ** math.ceil(math.log2(max(1.0, (peak - arguments) / (budget - arguments)))))
+
+
+def _next_count(peak: float, k: int, peak_k: float, budget: float) -> int | None:
+  """After `k` micro-batches did not fit (peak `peak_k`, `peak` uncut): the count that would,
+  were the peak `fixed + shrinking / k` through both; None where nothing would (what does not
+  shrink is over `budget`: gradient accumulators, gathered weights)."""
+  shrinking = (peak - peak_k) / (1 - 1 / k)
+  fixed = peak - shrinking
+  if shrinking <= 0 or fixed >= budget:
+    return None
+  return max(2 * k, 2 ** math.ceil(math.log2(shrinking / (budget - fixed))))
 
 
 class Microbatched(NamedTuple):
@@ -117,28 +142,31 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   """The plans that do not fit and are faster than `faster_than` (by default what `guarded`
   played, where it fits; any time where nothing fits) — the policy's and the hand schedules,
   the `plans` fastest — again with the batch cut into 2, 4, 8... micro-batches, up to
-  `largest`, each with the fewest that fit; then pipelines (`agents.pipelines`: the
-  pipelining hand schedules, and `decide`, the policy as an `Auto` over the other axes with
-  `solver`, at `per_stage` micro-batches a stage): the fastest of those that fit and beat
+  `largest`, each with the fewest that fit (counts that cannot are skipped: `_first_count`,
+  `_next_count`);
+  then pipelines (`agents.pipelines`: the pipelining hand schedules, and `decide`, the policy
+  as an `Auto` over the other axes with `solver`, deciding at the most of `per_stage`
+  micro-batches a stage and replayed at the others): the fastest of those that fit and beat
   `faster_than`. None where none does."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
   from partitioner.tactics import Microbatch, parse_schedule
   from environments.tasks import load_program
   candidates = [("policy", guarded.policy_schedule, guarded.policy_step_s,
-                 guarded.policy_fits)] + [
-      (h.name, h.schedule, h.cost.step_time_s, h.fits) for h in guarded.hand
-      if h.cost is not None]
+                 guarded.policy_fits, guarded.policy_peak_bytes,
+                 guarded.policy_argument_bytes)] + [
+      (h.name, h.schedule, h.cost.step_time_s, h.fits, h.cost.peak_memory_bytes,
+       h.cost.memory.argument_bytes) for h in guarded.hand if h.cost is not None]
   if faster_than is None:
     faster_than = guarded.step_s if guarded.fits else float("inf")
   candidates = sorted((c for c in candidates if not c[3] and c[2] < faster_than),
                       key=lambda c: c[2])
   program = load_program(ctx.task.model)
   best = None
-  for name, schedule, _, _ in candidates[:plans]:
+  for name, schedule, _, _, peak, arguments in candidates[:plans]:
     tactics = parse_schedule(schedule)
-    k = 2
-    while k <= largest:
+    k = _first_count(peak, arguments, ctx.budget)
+    while k is not None and k <= largest:
       try:
         pp = PartitionedProgram(program, ctx.mesh).apply([Microbatch(k)] + tactics)
       except ShardzeroError:   # the batch does not divide, or the step cannot be cut
@@ -149,7 +177,7 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
             best is None or cost.step_time_s < best.cost.step_time_s):
           best = Microbatched(k, name, pp, cost)
         break
-      k *= 2
+      k = _next_count(peak, k, cost.peak_memory_bytes, ctx.budget)
   # Hand schedules that rewrite the program first (pipelines, `pp+dp` and `ptd-p`) are not
   # actions of the environment, which is built on the program as traced; they are costed here,
   # on the task's program, at a few micro-batch counts, with the policy's own pipelined plan.
@@ -157,7 +185,7 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   hand = [(h.name, h.schedule) for h in guarded.hand
           if h.cost is None and h.schedule.startswith("Pipeline(")]
   staged = pipelined(program, ctx.mesh, ctx.task.hardware, ctx.budget, decide, solver,
-                     base="policy", hand=hand, per_stage=per_stage)
+                     base="policy", hand=hand, per_stage=per_stage, decide_each=False)
   if staged is not None and staged.cost.peak_memory_bytes <= ctx.budget and \
       staged.cost.step_time_s < limit:
     best = Microbatched(staged.k, staged.base, staged.pp, staged.cost)

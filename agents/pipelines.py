@@ -67,16 +67,20 @@ def _with_count(schedule, m: int) -> list:
 
 def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], object] | None,
               solver=None, *, base: str = "agent", hand: Sequence[tuple[str, str]] = (),
-              per_stage: Sequence[int] = PER_STAGE, beat=None) -> Pipelined | None:
+              per_stage: Sequence[int] = PER_STAGE, beat=None,
+              decide_each: bool = True) -> Pipelined | None:
   """The best plan that pipelines `program` over `mesh`'s outermost axis: for each
   micro-batch count, `decide(rest)` (an `Auto` tactic over the other axes, applied with
-  `solver`) and each pipelining hand schedule of `hand` ((name, schedule) pairs). Only one
-  that beats `beat` (a CostReport; None: anything) by `preference` counts. None where the
-  program has no scanned layer stack, the mesh one axis, or nothing beats `beat`."""
+  `solver`) and each pipelining hand schedule of `hand` ((name, schedule) pairs). With
+  `decide_each` False, what `decide` chose at the first count is replayed at the others (the
+  other axes' plan hardly depends on the micro-batch's size; an agent that must answer in
+  seconds decides once, at the most micro-batches: the smallest bubble, which wins most). Only one that beats `beat` (a CostReport; None: anything) by
+  `preference` counts. None where the program has no scanned layer stack, the mesh one axis,
+  or nothing beats `beat`."""
   from partitioner.cost import simulate
   from partitioner.microbatch import batch_inputs
   from partitioner.partition import PartitionedProgram
-  from partitioner.tactics import Pipeline
+  from partitioner.tactics import Pipeline, parse_schedule
   names = mesh.names
   if len(names) < 2 or mesh.size(names[0]) < 2 or not program.loops:
     return None
@@ -89,23 +93,29 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
   best, best_key = None, None if beat is None else standing(beat)
   stages = mesh.size(names[0])
   rest = "+".join(names[1:])
-  tries = []
-  for m in microbatch_counts(n, stages, _data_size(mesh), per_stage):
+  chosen = None   # the tactics `decide` chose, where it decides once
+  counts = microbatch_counts(n, stages, _data_size(mesh), per_stage)
+  for m in (counts if decide_each else counts[::-1]):
+    tries = []
     if decide is not None:
-      tries.append((m, base, [Pipeline(names[0], microbatches=m), decide(rest)]))
-    tries += [(m, name, _with_count(schedule, m)) for name, schedule in hand
+      tries.append((base, [Pipeline(names[0], microbatches=m)] +
+                    ([decide(rest)] if chosen is None else chosen), chosen is None))
+    tries += [(name, _with_count(schedule, m), False) for name, schedule in hand
               if schedule.split(";")[0].strip() == f"Pipeline({names[0]})"]
-  for m, name, tactics in tries:
-    try:
-      pp = PartitionedProgram(program, mesh).apply(tactics, solver=solver)
-    except ShardzeroError:   # no stack, a batch that does not divide, nothing fits the rest
-      continue
-    for plan in (pp, _scattered(pp, names[-1])):
-      if plan is None:
+    for name, tactics, deciding in tries:
+      try:
+        pp = PartitionedProgram(program, mesh).apply(tactics, solver=solver)
+      except ShardzeroError:   # no stack, a batch that does not divide, nothing fits the rest
         continue
-      cost = simulate(plan, hardware)
-      if best_key is None or standing(cost) < best_key:
-        best, best_key = Pipelined(m, name, plan, cost, plan.decided), standing(cost)
+      if deciding and not decide_each:
+        choice = pp.decided.split(";", 1)
+        chosen = parse_schedule(choice[1]) if len(choice) > 1 else []
+      for plan in (pp, _scattered(pp, names[-1])):
+        if plan is None:
+          continue
+        cost = simulate(plan, hardware)
+        if best_key is None or standing(cost) < best_key:
+          best, best_key = Pipelined(m, name, plan, cost, plan.decided), standing(cost)
   return best
 
 

@@ -50,6 +50,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
     Strategy("hzero2", "data parallel over every axis, optimizer state and gradients sharded "
              "only over the model axis (hybrid ZeRO-2: reduce-scatters stay inside a node)",
              lambda d, m: _bp((*d, m)) + [f"ZeRO({m}, stage=2)"]),
+    Strategy("hpz", "ZeRO++'s hierarchical partitioning (hpZ): data parallel over every axis, "
+             "parameters sharded only over the model axis (their gathers stay inside a node), "
+             "optimizer state and gradients over every axis (Wang et al. 2023, "
+             "arXiv:2306.10209, section 3.2)",
+             lambda d, m: _bp((*d, m)) + [f"ZeRO({a}, stage=2)" for a in d] + [f"ZeRO({m})"]),
     Strategy("megatron", "Megatron tensor parallel over every axis, batch replicated",
              lambda d, m: [f"Megatron({a})" for a in (*d, m)], False),
     Strategy("dp+megatron", "data parallel x Megatron tensor parallel (2D)",
@@ -83,7 +88,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
              [f"ZeRO({a}, stage=1)" for a in d[1:]]),
 )}
 
-_DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2")
+_DATA = ("dp", "zero1", "zero2", "zero3", "hsdp", "hzero2", "hpz")
 _TENSOR = ("megatron", "dp+megatron", "dp+megatron+zero1", "dp+megatron+zero3")
 _VOCAB = ("dp+megatron+vocab",)
 _EXPERT = ("dp+ep", "dp+ep+zero3", "gshard", "gshard+hzero2")
@@ -121,8 +126,9 @@ def _inner_forms(names: Sequence[str], data: tuple[str, ...], model: str) -> dic
   only the innermost k of the axes the full form shards (data parallel: 1 < k < all axes, as
   k = 1 is hsdp and hzero2; with Megatron: 1 <= k < all data axes): shard inside the inner
   groups, where the gathers and reduce-scatters stay on the fastest links, and replicate
-  across the outer ones. Named by the axes they shard over: `zero3(fsdp,tensor)`,
-  `dp+megatron+zero3(fsdp)`."""
+  across the outer ones; hpz with its optimizer state over the model axis and the innermost
+  1 <= k < all data axes. Named by the axes they shard over: `zero3(fsdp,tensor)`,
+  `dp+megatron+zero3(fsdp)`, `hpz(data)`."""
   axes = (*data, model)
   out = {}
   for stage in (1, 2, 3):
@@ -131,6 +137,11 @@ def _inner_forms(names: Sequence[str], data: tuple[str, ...], model: str) -> dic
         inner = axes[-k:]
         out[f"zero{stage}({','.join(inner)})"] = "; ".join(
             _bp(axes) + [f"ZeRO({a}, stage={stage})" for a in inner])
+    if stage == 2 and "hpz" in names:
+      for k in range(1, len(data)):
+        inner = data[-k:]
+        out[f"hpz({','.join(inner)})"] = "; ".join(
+            _bp(axes) + [f"ZeRO({a}, stage=2)" for a in inner] + [f"ZeRO({model})"])
     if f"dp+megatron+zero{stage}" in names:
       for k in range(1, len(data)):
         inner = data[-k:]

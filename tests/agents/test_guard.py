@@ -94,3 +94,17 @@ def test_micro_batches_try_only_the_plans_that_do_not_fit_and_beat_the_answer(un
   assert cut.cost.peak_memory_bytes <= env.context.budget
   assert str(cut.pp.schedule[0]) == f"Microbatch({cut.k})"
   assert fit_with_microbatches(env.context, g, faster_than=cut.cost.step_time_s) is None
+
+
+def test_micro_batch_counts_that_cannot_fit_are_not_traced():
+  """Counts come from the peak's inputs (which cutting leaves whole) and, after a count that
+  did not fit, from the peak through both measurements: none where what does not shrink is
+  over the budget."""
+  from agents.guard import _first_count, _next_count
+  gib = 2**30
+  assert _first_count(100 * gib, 90 * gib, 80 * gib) is None       # the inputs alone
+  assert _first_count(120 * gib, 40 * gib, 80 * gib) == 2          # the rest, halved, fits
+  assert _first_count(200 * gib, 40 * gib, 80 * gib) == 4
+  assert _next_count(84 * gib, 2, 97 * gib, 80 * gib) is None      # cutting grew the peak
+  assert _next_count(120 * gib, 2, 110 * gib, 80 * gib) is None    # 100 GiB does not shrink
+  assert _next_count(120 * gib, 2, 90 * gib, 80 * gib) == 4        # 60 + 60/k: k >= 3

@@ -45,12 +45,13 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
     assert math.isfinite(report.step_time_s) and report.step_time_s > 0
     times[name] = report
   # Sharding state over more devices never needs more memory for it.
-  for stage in ("zero1", "zero2", "zero3", "hzero2"):
+  for stage in ("zero1", "zero2", "zero3", "hzero2", "hpz"):
     assert times[stage].memory.breakdown["optimizer_state"] < \
         times["dp"].memory.breakdown["optimizer_state"]
   # ...and over fewer devices (hybrid: the model axis only), more.
   assert times["hzero2"].memory.breakdown["optimizer_state"] > \
-      times["zero2"].memory.breakdown["optimizer_state"]
+      times["zero2"].memory.breakdown["optimizer_state"] == \
+      times["hpz"].memory.breakdown["optimizer_state"]
   assert times["zero3"].memory.breakdown["parameters"] < times["dp"].memory.breakdown["parameters"]
 
 
@@ -59,7 +60,7 @@ def test_every_expert_strategy_applies_and_is_costed(family, programs):
     ("gpt", "dp+megatron+vocab"), ("gpt", "dp+sp"), ("moe", "dp+ep"),
     ("moe", "gshard+hzero2"), ("vmoe", "gshard+hzero2"),
     ("t5", "dp+megatron+zero3"), ("resnet", "zero3"), ("gnn", "dp+megatron"),
-    ("ssm", "dp+megatron"), ("unet", "hsdp"), ("bert", "zero2"),
+    ("ssm", "dp+megatron"), ("unet", "hsdp"), ("bert", "zero2"), ("gpt", "hpz"),
 ])
 def test_expert_strategies_run_correctly(family, strategy, programs):
   workload, program = programs(family)
@@ -118,6 +119,18 @@ def test_one_axis_meshes_get_the_one_axis_strategies():
   assert schedules["zero3"] == "BatchParallel(x); ZeRO(x, stage=3)"
   assert corpus.experts("moe", ("pod", "data", "expert"))["dp+ep"] == \
       "BatchParallel(pod); BatchParallel(data); ExpertParallel(expert)"
+
+
+def test_hpz_shards_the_optimizer_state_wider_than_the_parameters():
+  """ZeRO++'s hpZ: the state over the data axes (all of them, or the innermost on a mesh of
+  three), the parameters over the model axis only, sharded after the state so that the
+  parameters' gathers stay inside the model axis."""
+  schedules = corpus.experts(None, ("pipe", "data", "model"))
+  assert schedules["hpz"] == ("BatchParallel(pipe); BatchParallel(data); BatchParallel(model); "
+                              "ZeRO(pipe, stage=2); ZeRO(data, stage=2); ZeRO(model)")
+  assert schedules["hpz(data)"] == ("BatchParallel(pipe); BatchParallel(data); "
+                                    "BatchParallel(model); ZeRO(data, stage=2); ZeRO(model)")
+  assert "hpz(pipe,data)" not in schedules   # that is hpz itself
   with pytest.raises(P.WorkloadError, match="no expert strategies for 'llama'"):
     corpus.experts("llama")
 
