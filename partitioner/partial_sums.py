@@ -177,7 +177,7 @@ def links(program) -> tuple[dict, tuple, dict, dict]:
       readers = users[out]
       if (i is None or users[v] != (exit_.index,) or v in outputs or out in outputs or
           region_of[i] != r or len(readers) != 1 or
-          not _keeps_partial(ops[readers[0]], values) or
+          not (_keeps_partial(ops[readers[0]], values) or link.get(out) == readers[0]) or
           region_of[readers[0]] != region_of[exit_.index]):
         continue
       link[v], link[out], stacks[v] = exit_.index, readers[0], k

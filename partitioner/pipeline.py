@@ -481,6 +481,22 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   head = frozenset(i for i in cut.body if rf.exit < i < rb.enter)
   embed = frozenset(i for i in cut.body if i < rf.enter)
   tail = {i for i in cut.body if i > rb.exit}
+  # What the tail makes of the layers' weight gradients alone (the transpose of a cast of the
+  # stacked weights made before the stack, as a step that casts its master weights once does)
+  # runs once, after the loops, on their sums: the cut keeps only linear work on a sum per
+  # micro-batch, so that is the same sum.
+  grads_out = set(exit_b.outputs[nb:])
+  late = set()
+  for i in sorted(tail):
+    if any(v in grads_out or values[v].producer in late for v in ops[i].inputs):
+      late.add(i)
+  tail -= late
+  for i in sorted(late):
+    for v in ops[i].inputs:
+      if not (v in grads_out or values[v].producer in late or
+              values[v].producer not in cut.body):
+        _refuse(what, f"op #{i} ({ops[i].name}) combines the layers' weight gradients with "
+                      f"{program.name(v)}, made per micro-batch")
   # A sum the head makes that the tail adds into a sum of its own (a tied embedding's two
   # gradients) is joined after the loops: the add (and the casts to what leaves the body)
   # runs once, on the two sums.
@@ -522,6 +538,8 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
       group[v] = ("head", None)
     elif p in tail:
       group[v] = ("tail", None)
+    elif p in late:
+      group[v] = ("late", None)
     elif p in embed:
       group[v] = ("embed", None)
     else:
@@ -529,7 +547,9 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   head_sums = [v for v in group if group[v][0] == "head"]
   tail_sums = [v for v in group if group[v][0] == "tail"]
   embed_sums = [v for v in group if group[v][0] == "embed"]
-  tail = frozenset(tail)
+  tail, late = frozenset(tail), frozenset(late)
+  late_reads = [(k, v) for k, v in enumerate(exit_b.outputs[nb:])
+                if any(v in ops[i].inputs for i in late)]
   needed = sorted({k for k in stack.backward_xs if k is not None})
   consts = MB.small_consts(program, small)
   # What the stack reads from the per-example part of the step (masks, made of constants) is
@@ -706,9 +726,14 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
         x = head_acc[head_sums.index(v)].sum(0)
       elif kind == "tail":
         x = tail_acc[tail_sums.index(v)].sum(0)
+      elif kind == "late":
+        continue
       else:
         x = embed_acc[embed_sums.index(v)]
       env[v] = x.astype(values[v].dtype)
+    for k, v in late_reads:
+      env[v] = _from_stages(grads[k], L).astype(values[v].dtype)
+    program.run(env, only=late)
     program.run(env, only={i for chain, _, _ in joined for i in chain})
     program.run(env, only=cut.post)
     return [jnp.asarray(env[v]) for v in program.outputs]

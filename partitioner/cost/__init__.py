@@ -7,9 +7,11 @@
 # partitioner/layouts.py; 8: GPU collectives priced as NCCL runs them, its rings, trees,
 # protocols and latencies per step, partitioner/cost/communication.py; 9: a gather reads the
 # rows it gathers and an update in place moves the update, not the whole buffer; 10: a loop's
-# entry and exit move nothing, its body reads the slices it uses), so that
+# entry and exit move nothing, its body reads the slices it uses; 11: a stacked sum cast up as
+# it leaves an inner loop stays partial into the outer loop's float32 accumulator: bf16 layer
+# gradients reduced once after a pipeline's loops, not in every iteration), so that
 # stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 10
+COST_MODEL_VERSION = 11
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

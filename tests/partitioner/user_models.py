@@ -6,9 +6,11 @@ import optax
 from jax import lax
 
 
-def scanned_decoder(layers=4, d=64, heads=4, ffn=256, vocab=128, batch=8, seq=16):
+def scanned_decoder(layers=4, d=64, heads=4, ffn=256, vocab=128, batch=8, seq=16, dtype=None):
   """A decoder written the MaxText way: every layer weight stacked with a leading layer
-  dimension, the layers run by `lax.scan` over a dict of those stacks, Adam from optax."""
+  dimension, the layers run by `lax.scan` over a dict of those stacks, Adam from optax. With
+  `dtype`, the layers compute in it on their weights cast once, before the stack (float32
+  master weights)."""
   tx = optax.adam(1e-3)
   keys = jax.random.split(jax.random.PRNGKey(0), 10)
   normal = lambda k, shape: jax.random.normal(k, shape) * 0.05
@@ -20,14 +22,19 @@ def scanned_decoder(layers=4, d=64, heads=4, ffn=256, vocab=128, batch=8, seq=16
 
   def layer(x, w):
     h = x * w["ln"]
-    split = lambda t: t.reshape(batch, seq, heads, d // heads)
+    split = lambda t: t.reshape(*t.shape[:2], heads, d // heads)
     q, k, v = split(h @ w["wq"]), split(h @ w["wk"]), split(h @ w["wv"])
     probs = jax.nn.softmax(jnp.einsum("bshd,bthd->bhst", q, k) / (d // heads) ** 0.5, axis=-1)
-    x = x + jnp.einsum("bhst,bthd->bshd", probs, v).reshape(batch, seq, d) @ w["wo"]
+    x = x + jnp.einsum("bhst,bthd->bshd", probs, v).reshape(x.shape) @ w["wo"]
     return x + jax.nn.gelu(x @ w["w1"]) @ w["w2"], None
 
   def loss(p, b):
-    x, _ = lax.scan(layer, p["embed"][b["tokens"]], p["layers"])
+    if dtype is None:
+      x, _ = lax.scan(layer, p["embed"][b["tokens"]], p["layers"])
+    else:
+      stack = jax.tree_util.tree_map(lambda w: w.astype(dtype), p["layers"])
+      x, _ = lax.scan(layer, p["embed"][b["tokens"]].astype(dtype), stack)
+      x = x.astype(jnp.float32)
     logp = jax.nn.log_softmax(x @ p["embed"].T)
     return -jnp.mean(jnp.take_along_axis(logp, b["targets"][..., None], -1))
 
