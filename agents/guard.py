@@ -142,12 +142,11 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   """The plans that do not fit and are faster than `faster_than` (by default what `guarded`
   played, where it fits; any time where nothing fits) — the policy's and the hand schedules,
   the `plans` fastest — again with the batch cut into 2, 4, 8... micro-batches, up to
-  `largest`, each with the fewest that fit (counts that cannot are skipped: `_first_count`,
-  `_next_count`);
-  then pipelines (`agents.pipelines`: the pipelining hand schedules, and `decide`, the policy
-  as an `Auto` over the other axes with `solver`, deciding at the most of `per_stage`
-  micro-batches a stage and replayed at the others): the fastest of those that fit and beat
-  `faster_than`. None where none does."""
+  `largest`, each with the fewest that fit (counts that cannot fit are not traced:
+  `_first_count`, `_next_count`); then pipelines (`agents.pipelines`: the pipelining hand
+  schedules, and `decide`, the policy as an `Auto` over the other axes with `solver`,
+  deciding at the most of `per_stage` micro-batches a stage and replayed at the others): the
+  fastest of those that fit and beat `faster_than`. None where none does."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
   from partitioner.tactics import Microbatch, parse_schedule

@@ -72,9 +72,10 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
   """The best plan that pipelines `program` over `mesh`'s outermost axis: for each
   micro-batch count, `decide(rest)` (an `Auto` tactic over the other axes, applied with
   `solver`) and each pipelining hand schedule of `hand` ((name, schedule) pairs). With
-  `decide_each` False, what `decide` chose at the first count is replayed at the others (the
-  other axes' plan hardly depends on the micro-batch's size; an agent that must answer in
-  seconds decides once, at the most micro-batches: the smallest bubble, which wins most). Only one that beats `beat` (a CostReport; None: anything) by
+  `decide_each` False, `decide` runs once, at the most micro-batches (the smallest bubble,
+  which wins most often), and what it chose is replayed at the other counts: the other axes'
+  plan hardly depends on the micro-batch's size, and an agent that must answer in seconds
+  cannot decide at each. Only one that beats `beat` (a CostReport; None: anything) by
   `preference` counts. None where the program has no scanned layer stack, the mesh one axis,
   or nothing beats `beat`."""
   from partitioner.cost import simulate

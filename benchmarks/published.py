@@ -284,8 +284,8 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
       "(weak scaling) and Table 2 (ZeRO-3, 175B). A plain-JAX GPT at each published "
       "configuration (vocabulary 51,200, sequence 2,048, full recomputation, bf16 compute on "
       "fp32 master weights and Adam; the layers read a bf16 copy of their weights cast once a "
-      "step, as Megatron-LM's model holds one), partitioned with the published plan at its published "
-      "micro-batch size (`examples/sc21/run_table_1.sh` in NVIDIA/Megatron-LM; `m x b`: m "
+      "step, as Megatron-LM's model holds one), partitioned with the published plan at its "
+      "published micro-batch size (`examples/sc21/run_table_1.sh` in NVIDIA/Megatron-LM; `m x b`: m "
       "micro-batches of b sequences per data-parallel rank); throughput per GPU from the "
       "predicted step time by the paper's equation 3. Pipelined rows run "
       "`Pipeline(pipe, stages=p, microbatches=m, schedule=1f1b)`; where the paper used "
@@ -342,8 +342,8 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
         "The same tasks, answered by a trained policy as `shardzero propose` answers "
         "(`policy+guard:RUN`: greedy decoding checked against the hand schedules, then "
         "micro-batches and pipelines at 4 and 8 micro-batches a stage with the policy deciding "
-        "the other axes at 8 and its plan replayed at 4; `python benchmarks/published.py --policy policies/default`). Decision "
-        "time on the machine that ran it (2 cores).",
+        "the other axes at 8 and its plan replayed at 4; `python benchmarks/published.py "
+        "--policy policies/default`). Decision time on the machine that ran it (2 cores).",
         "",
         "| model | GPUs | policy plan | policy: predicted s, TFLOP/s, peak | policy / ILP | "
         "policy / published plan | decided in s |",
