@@ -217,10 +217,18 @@ def _run_units(units, store, jobs: int, quiet: bool, launcher: str = "local",
     import concurrent.futures
     import multiprocessing
     context = multiprocessing.get_context("spawn")   # workers start their own JAX
+    from concurrent.futures.process import BrokenProcessPool
+    from partitioner.errors import ShardzeroError
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
       futures = {pool.submit(run_unit, u): u for u in units}
-      for f in concurrent.futures.as_completed(futures):
-        finished(futures[f], f.result())
+      try:
+        for f in concurrent.futures.as_completed(futures):
+          finished(futures[f], f.result())
+      except BrokenProcessPool as e:   # a worker killed: most often for memory
+        raise ShardzeroError(
+            f"a worker process died (killed for memory? each holds a task's programs); the "
+            f"{done} of {total} results finished are kept in {store.path}: run the same "
+            f"command again, with fewer --jobs, to finish the rest") from e
 
 
 def _ratio(r) -> str:

@@ -31,6 +31,27 @@ def _evaluate(capsys, *argv):
   return code, (json.loads(out) if code == 0 else None), err
 
 
+DIES = """\
+import multiprocessing, os, signal
+from tests.partitioner.user_models import scanned_decoder
+
+def step():
+  if multiprocessing.parent_process() is not None:   # in an evaluation worker: killed, as for memory
+    os.kill(os.getpid(), signal.SIGKILL)
+  return scanned_decoder()
+"""
+
+
+def test_a_worker_killed_is_one_line_and_keeps_what_finished(capsys, tmp_path):
+  model = tmp_path / "dies.py"
+  model.write_text(DIES)
+  store = tmp_path / "results.jsonl"
+  code, _, err = run(capsys, "evaluate", "--models", f"{model}:step", "--meshes", "batch=8",
+                     "--agents", "greedy", "--store", str(store), "--jobs", "2")
+  assert code == 2
+  assert "a worker process died" in err and "fewer --jobs" in err and str(store) in err
+
+
 def test_parallel_jobs_ratios_and_resume(capsys, suite, tmp_path):
   store = str(tmp_path / "results.jsonl")
   code, data, _ = _evaluate(capsys, "--suite", suite, "--store", store, "--jobs", "2")
