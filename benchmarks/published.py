@@ -192,7 +192,11 @@ def schedule(run: Run) -> tuple[str, str]:
   """The published plan as (mesh, tactics): tensor parallelism inside a node (the minor axis)
   with vocabulary-parallel embeddings, data parallelism across, pipeline stages outermost (as
   Megatron-LM orders its ranks), each data-parallel rank's batch streamed in micro-batches of
-  the published size; or ZeRO-3 over every GPU."""
+  the published size; or ZeRO-3 over every GPU. A pipeline's hand-overs are scattered over
+  the tensor-parallel ranks and gathered by the next stage (`StageScatter`): Megatron-LM's
+  scatter/gather optimisation (the paper's section 4.1), on in the runs the paper reports
+  (`examples/sc21/run_figure_18.sh` turns it off with `--no-scatter-gather-tensors-in-pipeline`;
+  `run_table_1.sh` does not)."""
   if run.zero3:
     return f"data={run.d}", "BatchParallel(data); ZeRO(data, stage=3)"
   m = run.microbatches
@@ -201,8 +205,26 @@ def schedule(run: Run) -> tuple[str, str]:
   mesh = (f"pipe={run.p}," if run.p > 1 else "") + f"data={run.d}"
   if run.t == 1:
     return mesh, first + "BatchParallel(data)"
+  scatter = "; StageScatter(model)" if run.p > 1 else ""
   return (f"{mesh},model={run.t}",
-          first + "BatchParallel(data); Megatron(model); EmbeddingSharding(model)")
+          first + "BatchParallel(data); Megatron(model); EmbeddingSharding(model)" + scatter)
+
+
+def interleaved(run: Run, hardware: str) -> dict | None:
+  """A row Megatron-LM ran with virtual stages, under the interleaved schedule with its
+  published number of them (each stage holding that many chunks of layers)."""
+  if not run.virtual_layers:
+    return None
+  v = run.layers // run.p // run.virtual_layers
+  mesh, tactics = schedule(run)
+  tactics = tactics.replace("schedule=1f1b", f"schedule=interleaved, virtual={v}")
+  pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), mesh, tactics)
+  cost = simulate(pp, hardware)
+  tflops = model_flops(run) / (cost.step_time_s * run.gpus) / 1e12
+  return {"virtual": v, "tactics": tactics, "step_time_s": cost.step_time_s,
+          "peak_gib": cost.peak_memory_bytes / GiB, "fits": cost.fits,
+          "predicted_tflops": tflops, "ratio": tflops / run.published,
+          "compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s}
 
 
 def predict(run: Run, hardware: str) -> dict:
@@ -216,6 +238,7 @@ def predict(run: Run, hardware: str) -> dict:
   return {**row, "mesh": mesh, "tactics": tactics, "step_time_s": cost.step_time_s,
           "exposed_comm_s": cost.exposed_comm_s, "peak_gib": cost.peak_memory_bytes / GiB,
           "fits": cost.fits, "predicted_tflops": tflops, "ratio": tflops / run.published,
+          "compute_s": cost.compute_s, "interleaved": interleaved(run, hardware),
           "seconds": time.perf_counter() - start}
 
 
@@ -288,9 +311,10 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
       "published micro-batch size (`examples/sc21/run_table_1.sh` in NVIDIA/Megatron-LM; `m x b`: m "
       "micro-batches of b sequences per data-parallel rank); throughput per GPU from the "
       "predicted step time by the paper's equation 3. Pipelined rows run "
-      "`Pipeline(pipe, stages=p, microbatches=m, schedule=1f1b)`; where the paper used "
-      "virtual (interleaved) stages, which are not built, the prediction has 1F1B's larger "
-      "bubble.",
+      "`Pipeline(pipe, stages=p, microbatches=m, schedule=1f1b)` with the hand-overs "
+      "scattered over the tensor-parallel ranks (`StageScatter(model)`: Megatron-LM's "
+      "scatter/gather, on in the paper's runs); the four rows the paper ran with virtual "
+      "stages are also run interleaved below.",
       "",
       "| table | model | plan | GPUs | batch | published TFLOP/s | predicted | predicted / "
       "published | step s: published, predicted (collectives exposed) | peak memory |",
@@ -305,6 +329,30 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
                f"{r['peak_gib']:.0f} GiB{'' if r['fits'] else ' (over)'}"]
     lines.append(f"| {r['table']} | {r['model']} | {r['plan']} | {r['gpus']} | {r['batch']} | "
                  f"{r['published_tflops']:.0f} | " + " | ".join(cells) + " |")
+  virtual = [r for r in rows if r.get("interleaved")]
+  if virtual:
+    lines += [
+        "",
+        "### Interleaved stages",
+        "",
+        "The rows Megatron-LM ran with virtual stages, under `Pipeline(pipe, stages=p, "
+        "microbatches=m, schedule=interleaved, virtual=V)` with the published V (stage s holds "
+        "chunks s, s+p, ... of the layers), beside the same plan under 1F1B. In SPMD form "
+        "each iteration runs one chunk on every stage, so the bubble shrinks about V-fold, but "
+        "every stage gathers its chunk's weights out of its stack in every iteration (it "
+        "runs a different chunk from its neighbours) and scatter-adds the chunk's gradients "
+        "back, which Megatron-LM, holding each chunk apart, does not.",
+        "",
+        "| model | V | 1F1B: step s, compute s, peak | interleaved: step s, compute s, peak | "
+        "interleaved / 1F1B | predicted / published, interleaved |",
+        "|---|---:|---|---|---:|---:|"]
+    for r in virtual:
+      i = r["interleaved"]
+      lines.append(
+          f"| {r['model']} | {i['virtual']} | {r['step_time_s']:.2f}, {r['compute_s']:.2f}, "
+          f"{r['peak_gib']:.0f} GiB | {i['step_time_s']:.2f}, {i['compute_s']:.2f}, "
+          f"{i['peak_gib']:.0f} GiB{'' if i['fits'] else ' (over)'} | "
+          f"{i['step_time_s'] / r['step_time_s']:.3f} | {i['ratio']:.2f} |")
   searched = [r for r in rows if r.get("ilp")]
   if searched:
     lines += [
@@ -417,13 +465,22 @@ def main(argv=None) -> int:
                       help="also run this trained policy, guarded as `propose` answers "
                            "(policy+guard:RUN), without the plan on each Table 1 row "
                            "(seconds a row); e.g. policies/default")
+  parser.add_argument("--only", metavar="SIZES",
+                      help="search (--ilp, --policy) these Table 1 rows only, e.g. 310.1B,1008.0B; "
+                           "the others keep their stored plans, priced again")
   args = parser.parse_args(argv)
+  only = set(args.only.split(",")) if args.only else {r.params for r in RUNS}
+  unknown = only - {r.params for r in RUNS}
+  if unknown:
+    parser.error(f"--only: no Table 1 row {', '.join(sorted(unknown))}; the rows are "
+                 f"{', '.join(r.params for r in RUNS if r.table == '1')}")
   out = ROOT / args.json
   stored = json.loads(out.read_text())["rows"] if out.exists() else []
   key = lambda r: (r["table"], r["model"], r["gpus"])
-  before = {} if args.ilp else {key(r): r["ilp"] for r in stored if r.get("ilp")}
-  before_policy = {} if args.policy else {key(r): r["policy"] for r in stored
-                                          if r.get("policy")}
+  before = {key(r): r["ilp"] for r in stored if r.get("ilp")
+            and not (args.ilp and r["model"] in only)}
+  before_policy = {key(r): r["policy"] for r in stored if r.get("policy")
+                   and not (args.policy and r["model"] in only)}
   rows = []
   for run in RUNS:
     rows.append(predict(run, args.hardware))
@@ -431,14 +488,14 @@ def main(argv=None) -> int:
     found = before.get((run.table, run.params, run.gpus))
     if found:
       r["ilp"] = repriced(run, found, args.hardware)
-    if args.ilp and run.table == "1":
+    if args.ilp and run.table == "1" and run.params in only:
       r["ilp"] = search(run, args.hardware, "ilp:60")
       print(f"{run.params:>8} ILP: {r['ilp']['schedule']} {r['ilp']['step_time_s']:.2f} s "
             f"against {r['step_time_s']:.2f} s", flush=True)
     found = before_policy.get((run.table, run.params, run.gpus))
     if found:
       r["policy"] = repriced(run, found, args.hardware)
-    if args.policy and run.table == "1":
+    if args.policy and run.table == "1" and run.params in only:
       r["policy"] = search(run, args.hardware, f"policy+guard:{args.policy}")
       print(f"{run.params:>8} policy: {r['policy']['schedule']} "
             f"{r['policy']['step_time_s']:.2f} s in {r['policy']['decide_s']:.1f} s", flush=True)

@@ -55,7 +55,7 @@ NODE_KINDS = (
     'sharding_constraint', 'shift_left', 'shift_right_arithmetic', 'shift_right_logical',
     'sign', 'sin', 'sinh', 'slice', 'sort', 'sqrt', 'square', 'squeeze', 'stop_gradient', 'sub',
     'tan', 'tanh', 'threefry2x32', 'top_k', 'transpose', 'while', 'xor', 'zeta',
-    'stage_shift')
+    'stage_shift', 'stage_view')
 NUM_KINDS = 256
 KIND_IDS = {p: i + 3 for i, p in enumerate(NODE_KINDS)}
 LOOP_MARKERS = ("scan_enter", "scan_exit")

@@ -34,10 +34,11 @@ Tactics (separated by ';'):
                                  run) choose tactics over AXES (model, batch+model)
   Microbatch(K)                  gradient accumulation: the batch cut into K micro-batches
                                  run in a loop (first in the schedule; activations shrink)
-  Pipeline(AXIS[, stages=S, microbatches=M, schedule=1f1b|gpipe])
+  Pipeline(AXIS[, stages=S, microbatches=M, schedule=1f1b|gpipe|interleaved, virtual=V])
                                  pipeline stages of a scanned layer stack over AXIS (one
-                                 per device; M micro-batches, 4 a stage by default; first
-                                 in the schedule)
+                                 per device; M micro-batches, 4 a stage by default;
+                                 interleaved: V chunks of layers a stage; first in the
+                                 schedule)
   StageScatter(AXIS)             split a pipeline's hand-overs and kept activations over
                                  AXIS (Megatron-LM's scatter/gather; after Megatron)
 """

@@ -102,6 +102,31 @@ class Padded(NamedTuple):
             f"(+{100 * (self.padded / self.size - 1):.2g}% of its work)")
 
 
+class StageChunks(NamedTuple):
+  """Dimension `dim` (a layer stack's) of `chunks` x `stages` x c layers, held `stages` x
+  `chunks` x c: an interleaved pipeline's stage s holds chunks s, s+S, ... of layers
+  (`pipeline._held_by_stage`), and held so they are one block of the dimension."""
+  dim: int
+  stages: int
+  chunks: int
+
+  def _swap(self, x, first: int, second: int):
+    import jax.numpy as jnp
+    d, s = self.dim, x.shape
+    y = jnp.reshape(x, s[:d] + (first, second, s[d] // (first * second)) + s[d + 1:])
+    return jnp.reshape(jnp.swapaxes(y, d, d + 1), s)
+
+  def store(self, x):
+    return self._swap(x, self.chunks, self.stages)
+
+  def load(self, x):
+    return self._swap(x, self.stages, self.chunks)
+
+  def __str__(self) -> str:
+    return (f"dimension {self.dim} held by stage: {self.chunks} chunks of layers for each of "
+            f"{self.stages} stages")
+
+
 def hold_in_layouts(program: Program, trace) -> Program:
   """The program with its fused projections interleaved and its vocabularies padded; itself if
   it has neither. `trace(fn, shapes)`: `fn`, which takes the program's arguments, traced with

@@ -225,8 +225,9 @@ def to_jax_shardings(pp, jax_mesh=None) -> JaxShardings:
   held = pp.plan.held
   for vid, axes in {**held.values, **held.zeros}.items():
     constraints[vid] = NamedSharding(mesh, PartitionSpec(axes, *Sharding(state.dims[vid]).spec()))
-  reduced = ({program.ops[j].outputs[0] for j in held.ops} - set(held.values) |
-             {program.ops[i].outputs[k] for i, ks in held.carries.items() for k in ks})
+  reduced = ({program.ops[j].outputs[0] for j in held.ops} |
+             {program.ops[i].outputs[k] for i, ks in held.carries.items() for k in ks}) - set(
+                 held.values)
   summands = {vid: math.prod(pp.mesh.sizes[a] for a in axes) for vid, axes in held.zeros.items()}
   # A loop stacks a held value's summands inside each iteration's slice: put them first.
   stacked = {vid for op in program.ops if op.primitive is SCAN_EXIT
@@ -333,8 +334,10 @@ def _island(pp, op, mesh) -> Callable:
   rule = LOCAL_RULES.get(op.name)
 
   held = [pp.plan.held.values.get(v) for v in op.outputs]
+  held_in = [pp.plan.held.values.get(v) for v in op.inputs]   # one summand here: its own
 
   def local(*args):
+    args = [a[0] if axes else a for a, axes in zip(args, held_in)]
     if rule is not None:
       outs = rule(op, LocalContext(op, program, sizes, op_plan, factors), list(args))
     else:
@@ -342,7 +345,8 @@ def _island(pp, op, mesh) -> Callable:
     return tuple(run_steps(x, steps, sizes) if axes is None else x[None]
                  for x, steps, axes in zip(outs, op_plan.result_steps, held))
 
-  in_specs = tuple(Sharding(d).spec() for d in op_plan.operand_dims)
+  in_specs = tuple(Sharding(d).spec() if axes is None else PartitionSpec(axes, *Sharding(d).spec())
+                   for d, axes in zip(op_plan.operand_dims, held_in))
   out_specs = tuple(Sharding(pp.state.dims[v]).spec() if axes is None else
                     PartitionSpec(axes, *Sharding(pp.state.dims[v]).spec())
                     for v, axes in zip(op.outputs, held))

@@ -5,18 +5,23 @@ A value whose producer would reduce it with one all-reduce over axes P is *held*
 instead when its only reader is linear in it and keeps it so: an add of values held partial
 over the same axes (the input gradient of separate Q, K and V projections, the gradient of a
 weight read twice such as a tied embedding), or a reshape, transpose, squeeze, copy,
-negation, same-width float conversion or local reduce_sum of it, or a select of it and zeros
-(a pipeline's sums, kept for the stage that made them). The reader's result is
-then partial over P in its turn, and the all-reduce moves there. A tree of such ops is kept
-only where it saves: it joins two or more partial sums, or its root is smaller than the sum
-it started from. Everywhere else each sum is reduced by its producer, as before.
+negation, same-width float conversion or local reduce_sum of it, a select of it and zeros
+(a pipeline's sums, kept for the stage that made them), or a scatter-add of it into a held
+sum (an interleaved pipeline adding each stage's chunk of gradients to its own rows). The
+reader's result is then partial over P in its turn, and the all-reduce moves there. A tree of
+such ops is kept only where it saves: it joins two or more partial sums, or its root is
+smaller than the sum it started from. Everywhere else each sum is reduced by its producer, as
+before.
 
 A loop whose carry starts at zeros and adds a partial sum in every iteration (the gradient
 of a weight a recurrence reads at every time step) keeps the carry partial: one all-reduce
 after the loop replaces one per iteration. So does an inner loop's stacked output of
 per-iteration partial sums that such a carry of an enclosing loop adds up (a scanned layer
 stack's gradients, summed over micro-batches: `microbatch.py`), and a float cast up on the
-way into either (bf16 gradients of float32 master weights are summed in float32).
+way into either (bf16 gradients of float32 master weights are summed in float32). An
+accumulator may also start from what an earlier loop or the loop around it summed, and be
+carried on by the loops inside it: a pipeline's loops, and loops of loops, carry one set of
+gradients from the first to the last, reduced once after it.
 
 The plan carries the result (`Plan.held`); the shard_map lowering holds the local pieces as
 they are, the jit lowering holds them as a leading dimension split over P, and the cost
@@ -32,11 +37,13 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner.collectives import ALL_REDUCE, reshard_steps, result_writes
-from partitioner.ir import SCAN_EXIT, per_program
+from partitioner.ir import SCAN_ENTER, SCAN_EXIT, per_program
 from partitioner.sharding import Axes, Sharding, local_shape
 
 # Linear in every operand: each must be held partial over the same axes.
 JOINING = frozenset({"add", "add_any", "sub"})
+# Linear in its operand and updates (not its indices): `summed` says which operands.
+ADDING = frozenset({"scatter-add"})
 # One operand, linear in it, never larger than it.
 PASSING = frozenset({"neg", "reshape", "transpose", "squeeze", "expand_dims", "copy",
                      "convert_element_type", "reduce_sum"})
@@ -66,13 +73,19 @@ class _Tree(NamedTuple):
   held: tuple              # values of the tree below this one
   ops: tuple               # ops of the tree that read held values
   stacked: tuple = ()      # (value, tree) where it passed out of a loop as a stacked output
+  finals: tuple = ()       # final carries of the loops whose sums it holds to their end
+
+
+def summed(op) -> tuple:
+  """The operands an op that keeps partial sums is linear in."""
+  return (op.inputs[0], op.inputs[2]) if op.name in ADDING else tuple(op.inputs)
 
 
 def _keeps_partial(op, values) -> bool:
   """Whether `op` is linear in its operands without growing them."""
   if len(op.outputs) != 1:
     return False
-  if op.name in JOINING or (op.name == "select_n" and len(op.inputs) == 3):
+  if op.name in JOINING or op.name in ADDING or (op.name == "select_n" and len(op.inputs) == 3):
     return True   # a select keeps a sum where its other case is zeros (checked by `defer`)
   if op.name not in PASSING or len(op.inputs) != 1:
     return False
@@ -113,11 +126,13 @@ def _is_zeros(program, v) -> bool:
 
 
 class _Carry(NamedTuple):
-  """A loop carry that accumulates partial sums: `acc = acc + partial` in the body."""
+  """A loop carry that accumulates partial sums: `acc = acc + partial` in the body, or an
+  inner loop's such carry that starts from it and becomes its new value."""
   exit: int        # the loop's exit op
   position: int    # the carry's position
   carry: int       # the body's view of the carry (the enter op's result)
-  zeros: int       # its initial value, zeros
+  zeros: int       # its initial value: zeros, or (not `fresh`) a sum made before the loop
+  fresh: bool = True
 
 
 @per_program
@@ -136,24 +151,56 @@ def links(program) -> tuple[dict, tuple, dict, dict]:
     if not _keeps_partial(op, values):
       continue
     j = op.index
-    for v in op.inputs:
+    for v in summed(op):
       i = values[v].producer
       if (i is not None and users[v] == (j,) and v not in outputs and
           len(ops[i].outputs) == 1 and (region_of is None or region_of[i] == region_of[j])):
         link[v] = j
   carries = {}
-  for region in program.regions:
+  exit_of = {r.enter: r.exit for r in program.regions}
+
+  def read_by(v) -> tuple:
+    """The ops that read `v`, but the exit of the loop whose carry it is (which passes it)."""
+    p = values[v].producer
+    own = exit_of.get(p) if p is not None and ops[p].primitive is SCAN_ENTER else None
+    return tuple(u for u in users[v] if u != own)
+
+  def started_from(x, c) -> bool:
+    """Whether `x` is the final sum of inner loops' accumulators, one starting from the
+    other's, the first from `c`."""
+    while values[x].producer is not None and ops[values[x].producer].primitive is SCAN_EXIT:
+      exit_op = ops[values[x].producer]
+      inner = carries.get(exit_op.inputs[exit_op.outputs.index(x)])
+      if inner is None or inner.fresh:
+        return False
+      x = inner.zeros
+    return x == c
+
+  # Inner loops first: an outer loop's accumulator may be one its inner loops carry on.
+  for region in sorted(program.regions, key=lambda r: -r.enter):
     enter, exit_ = ops[region.enter], ops[region.exit]
     for k in range(region.num_carry):
       c, new, init = enter.outputs[k], exit_.inputs[k], enter.inputs[k]
       j = values[new].producer
-      if (j is None or ops[j].name not in JOINING or users[c] != (j, exit_.index) or
-          users[new] != (exit_.index,) or users[init] != (enter.index,) or
-          not _is_zeros(program, init)):
+      if j is None or users[new] != (exit_.index,) or read_by(init) != (enter.index,):
+        continue
+      fresh = _is_zeros(program, init)
+      made = values[init].producer
+      if not fresh and (made is None or ops[made].primitive not in (SCAN_ENTER, SCAN_EXIT)):
+        continue   # only zeros, or what an enclosing or earlier loop summed, can be held on
+      adds = (ops[j].name in JOINING | ADDING and c in summed(ops[j]) and
+              users[c] == (j, exit_.index))
+      if not adds and not (ops[j].primitive is SCAN_EXIT and len(read_by(c)) == 1 and
+                           started_from(new, c)):
+        continue
+      if not fresh:   # starts from a sum made before the loop: held on into it
+        link[init] = enter.index
+      carries[new] = _Carry(exit_.index, k, c, init, fresh)
+      if not adds:
+        link[c] = read_by(c)[0]   # the inner loop that carries it on
         continue
       link[c] = j
-      carries[new] = _Carry(exit_.index, k, c, init)
-      for w in ops[j].inputs:   # a sum cast up to be accumulated is held through the cast
+      for w in summed(ops[j]):   # a sum cast up to be accumulated is held through the cast
         while values[w].producer is not None:   # and through selects of it and zeros
           op = ops[values[w].producer]
           if op.name == "convert_element_type":
@@ -167,6 +214,13 @@ def links(program) -> tuple[dict, tuple, dict, dict]:
             w = cases[0]
             continue
           w = op.inputs[0]
+  for new, t in carries.items():   # a loop's sum added on into another sum after it
+    final = ops[t.exit].outputs[t.position]
+    readers = users[final]
+    if (len(readers) == 1 and final not in outputs and
+        ops[readers[0]].name in JOINING | ADDING and final in summed(ops[readers[0]]) and
+        region_of[readers[0]] == region_of[t.exit]):
+      link[final] = readers[0]
   stacks = {}
   for r, region in enumerate(program.regions):
     exit_ = ops[region.exit]
@@ -213,10 +267,14 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
   values, program_ops = program.values, program.ops
   link, producers, carries, stacks = links(state.program)
   trees: dict[int, _Tree] = {}
-  for t in carries.values():   # zeros to begin with: a partial sum over any axes
-    trees[t.carry] = _Tree(None, 0, 0, 0, (), ())
-  roots: dict[int, _Carry] = {}   # final carry -> the loop carry it ends
   readers: list[int] = []
+  for t in carries.values():   # zeros to begin with: a partial sum over any axes
+    if t.fresh:
+      trees[t.carry] = _Tree(None, 0, 0, 0, (), ())
+      if program_ops[link[t.carry]].primitive is SCAN_ENTER:
+        readers.append(link[t.carry])   # an inner loop carries it on
+  roots: dict[int, _Carry] = {}   # final carry -> the loop carry it ends
+  alone: dict[int, _Tree] = {}    # final carry -> its tree, were it reduced after its loop
   for i in producers:
     p = ops[i]
     if not p.writes or not p.result[0].partial or p.result[0].reduce != "sum":
@@ -233,10 +291,19 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
   seen = set()
   while readers:
     j = heapq.heappop(readers)
+    op = program_ops[j]
+    if op.primitive is SCAN_ENTER:   # accumulators that start from the sums held so far
+      for k, v in enumerate(op.inputs[:op.params["num_carry"]]):
+        t, c = trees.get(v), op.outputs[k]
+        if t is not None and link.get(v) == j and c not in trees:
+          trees[c], trees[v] = t._replace(held=t.held + (v,)), None
+          if c in link and program_ops[link[c]].primitive is SCAN_ENTER:
+            heapq.heappush(readers, link[c])   # an inner loop carries it on
+      continue
     if j in seen:
       continue
     seen.add(j)
-    op, p = program_ops[j], ops[j]
+    p = ops[j]
     if op.primitive is SCAN_EXIT:   # sums per iteration, stacked: each position on its own
       for v in op.inputs:
         t, k = trees.get(v), stacks.get(v)
@@ -249,40 +316,50 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
         trees[v] = None
         heapq.heappush(readers, link[out])
       continue
-    summed = op.inputs
+    added = summed(op)
     if op.name == "select_n":   # select(mask, zeros, sum): the sum where the mask says
-      summed = [v for v in op.inputs[1:] if trees.get(v) is not None]
-      if (len(summed) != 1 or op.inputs[0] in trees or
-          not all(_is_zeros(program, v) for v in op.inputs[1:] if v != summed[0])):
+      added = [v for v in op.inputs[1:] if trees.get(v) is not None]
+      if (len(added) != 1 or op.inputs[0] in trees or
+          not all(_is_zeros(program, v) for v in op.inputs[1:] if v != added[0])):
         continue
-    parts = [trees.get(v) for v in summed]
+    parts = [trees.get(v) for v in added]
     if None in parts:
       continue
     axes = {t.axes for t in parts} - {None}
     if (len(axes) != 1 or p.result[0].partial or p.result_steps[0] or any(p.operand_steps) or
-        any(link.get(v) != j for v in summed)):
+        any(link.get(v) != j for v in added)):
       continue
     out = op.outputs[0]
-    distinct = {v: trees[v] for v in summed}
+    distinct = {v: trees[v] for v in added}
     trees[out] = _Tree(axes.pop(), sum(t.leaves for t in distinct.values()),
                        sum(t.leaf_bytes for t in distinct.values()),
                        math.prod(local_shape(values[out].shape, state.dims[out], sizes)) *
                        values[out].dtype.itemsize,
                        sum((t.held + (v,) for v, t in distinct.items()), ()),
                        sum((t.ops for t in distinct.values()), (j,)),
-                       _unstacked(distinct))
-    for v in op.inputs:
+                       _unstacked(distinct), sum((t.finals for t in distinct.values()), ()))
+    for v in added:
       trees[v] = None   # below a root now
     if out in link:
       heapq.heappush(readers, link[out])
-    carry = carries.get(out)
-    if (carry is not None and trees[out].leaves and carry.carry in trees[out].held and
-        not ops[carry.exit].operand_steps[carry.position]):
-      # The loop's sum stays partial to its end: reduced once after it, not per iteration.
+    carry, final = carries.get(out), None
+    while (carry is not None and trees[out].leaves and carry.carry in trees[out].held and
+           not ops[carry.exit].operand_steps[carry.position]):
+      # The loop's sum stays partial to its end: reduced once after it, not per iteration
+      # (and on through the loops around it that carry it on).
       t = trees.pop(out)
       final = program_ops[carry.exit].outputs[carry.position]
-      trees[final] = t._replace(held=t.held + (out,))
+      trees[final] = t._replace(held=t.held + (out,), finals=t.finals + (final,),
+                                stacked=())   # a stack summed over the loop: held for good
       roots[final] = carry
+      alone[final] = trees[final]
+      out, carry = final, carries.get(final)
+    if final is not None:
+      carry = roots[final]
+      if final in link and ops[carry.exit].result[carry.position].dims == state.dims[final]:
+        # Added on into another sum after the loop, which reads it laid out as the loop
+        # holds it (not reduce-scattered into a ZeRO shard): held through.
+        heapq.heappush(readers, link[final])
   held_values, held_ops, held_carries, zeros = {}, {}, {}, {}
   candidates = list(trees.items())
   while candidates:
@@ -295,13 +372,15 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
       candidates += list(t.stacked)
       continue
     if not t.ops or not (root in roots or t.leaves > 1 or t.bytes < t.leaf_bytes):
+      candidates += [(f, alone[f]) for f in t.finals if f != root]   # each loop's own
       continue
     held_values.update((v, t.axes) for v in t.held)
     held_ops.update((j, t.axes) for j in t.ops)
-    if root in roots:
-      carry = roots[root]
+    for final in t.finals:   # every loop whose sum it holds, this root's own among them
+      carry = roots[final]
       held_carries.setdefault(carry.exit, {})[carry.position] = t.axes
-      zeros[carry.zeros] = t.axes
+      if carry.fresh:
+        zeros[carry.zeros] = t.axes
   if not held_values:
     return ops, communicating, NOTHING_HELD
   ops = list(ops)
@@ -315,8 +394,9 @@ def defer(state, ops: list, communicating: list) -> tuple[list, list, Held]:
     result, steps = list(p.result), list(p.result_steps)
     for k, axes in positions.items():
       result[k] = Sharding(result[k].dims, axes)
-      steps[k] = reshard_steps(values[out[k]].shape, values[out[k]].dtype.itemsize,
-                               result[k].dims, axes, "sum", state.dims[out[k]], sizes)
+      steps[k] = () if out[k] in held_values else reshard_steps(   # held on after the loop
+          values[out[k]].shape, values[out[k]].dtype.itemsize, result[k].dims, axes, "sum",
+          state.dims[out[k]], sizes)
     ops[i] = p._replace(result=tuple(result), result_steps=tuple(steps), writes=result_writes(steps))
   for j, axes in held_ops.items():
     out = program_ops[j].outputs[0]

@@ -18,9 +18,16 @@ XLA's SPMD partitioner:
 then one for its backward pass, reading what the forward kept per (iteration, stage); the
 rest of the step (embedding, head, loss, optimizer) runs on the whole batch as before.
 `schedule="1f1b"` (`_emit_1f1b`) puts the whole per-example step in one pipeline, so that a
-stage keeps at most 2S-1 micro-batches' activations. Either way the bubble, the activations
+stage keeps at most 2S-1 micro-batches' activations. `schedule="interleaved"` with V virtual
+stages is 1F1B over V*S chunks of layers, stage s holding chunks s, s+S, ... (`_timetable`):
+each iteration runs one chunk a stage, the last stage hands over to the first, the layers
+are held with each stage's chunks together (`_held_by_stage`), and the per-example work
+before and after the stack runs only in the iterations that need it (a loop of loops).
+Whatever the schedule, the bubble, the activations
 kept, the hand-overs and the gradient reduction after the last micro-batch are in the
-program, so the cost model prices them as it prices any loop.
+program, so the cost model prices them as it prices any loop. Where the stages' layers read
+or make a hand-over (or what a stage keeps), it passes through `shift.stage_view`, so that
+`StageScatter` can split the hand-over and gather it there.
 
 The stack is found from the dataflow: a loop and the reverse loop that reads what it kept, of
 the same length. What cannot be cut exactly is refused in one line: a stack that reads a
@@ -60,29 +67,36 @@ def _refuse(what: str, why: str):
 
 
 def pipeline(program: Program, stages: int, microbatches: int,
-             schedule: str = "1f1b") -> Program:
+             schedule: str = "1f1b", virtual: int = 1) -> Program:
   """The step with its layer stack cut into `stages` stages that `microbatches` micro-batches
-  stream through (see the module docstring)."""
+  stream through (see the module docstring); `virtual` stages a device under the interleaved
+  schedule."""
   what = f"Pipeline(stages={stages}, microbatches={microbatches})"
-  for name, n in (("stages", stages), ("microbatches", microbatches)):
+  for name, n in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
     if not isinstance(n, int) or n < 1:
       raise ScheduleError(f"Pipeline needs a positive number of {name}, got {n!r}")
   if schedule not in SCHEDULES:
     raise ScheduleError(f"Pipeline schedule must be one of {', '.join(SCHEDULES)}, got "
                         f"{schedule!r}")
-  if schedule == "interleaved":
-    _refuse(what, "the interleaved schedule (virtual stages) is not built; gpipe and 1f1b are")
+  if (schedule == "interleaved") != (virtual > 1):
+    _refuse(what, f"virtual={virtual} stages a device with schedule={schedule}: the "
+                  "interleaved schedule takes 2 or more, the others 1")
+  if schedule == "interleaved" and microbatches % stages:
+    _refuse(what, f"the interleaved schedule streams micro-batches in rounds of one per stage: "
+                  f"{microbatches} micro-batches do not divide into rounds of {stages}")
   if program.microbatches > 1:
     _refuse(what, "the program is cut into micro-batches already; Pipeline streams its own")
   if program.source is None:
     _refuse(what, "the program was not traced from a function (partitioner.trace), so it "
                   "cannot be traced again at a micro-batch's size")
-  return _pipelined(program, stages, microbatches, schedule)
+  return _pipelined(program, stages, microbatches, schedule, virtual)
 
 
 @per_program
-def _pipelined(program: Program, stages: int, microbatches: int, schedule: str) -> Program:
-  what = f"Pipeline(stages={stages}, microbatches={microbatches}, schedule={schedule})"
+def _pipelined(program: Program, stages: int, microbatches: int, schedule: str,
+               virtual: int = 1) -> Program:
+  what = f"Pipeline(stages={stages}, microbatches={microbatches}, schedule={schedule}" + (
+      f", virtual={virtual})" if virtual > 1 else ")")
   if not program.root.loops:
     _refuse(what, "found no layer stack: the step has no loop (lax.scan, hk.layer_stack, "
                   "nn.scan) over stacked layers")
@@ -99,12 +113,59 @@ def _pipelined(program: Program, stages: int, microbatches: int, schedule: str) 
     out = _emit(program, small, stack, stages, microbatches)
   else:
     cut, small = MB.cut_step(program, microbatches, what)
-    stack = _stack(program, small, picked, stages, microbatches, what)
-    out = _emit_1f1b(program, small, cut, stack, stages, microbatches, what)
+    stack = _stack(program, small, picked, stages, microbatches, what, virtual)
+    held = _held_by_stage(program, stack, stages, virtual, what) if virtual > 1 else ({}, {})
+    out = _emit_1f1b(program, small, cut, stack, stages, microbatches, what, virtual)
+    out.layouts = {**program.layouts, **held[0]}
+    out.output_layouts = {**program.output_layouts, **held[1]}
   out.original = program
   out.microbatches = microbatches
   out.stages = stages
   return out
+
+
+def _held_by_stage(program: Program, stack: Stack, S: int, V: int, what: str):
+  """Where the interleaved schedule's layers live: stage s holds chunks s, s+S, ... of the
+  stack, which are not one block of the user's layer dimension. The stacked weights, and what
+  is indexed alike by layer outside the stack (master weights, optimizer state, gradients,
+  their updates), are held with each stage's chunks together (`layouts.StageChunks`), so that
+  splitting that dimension over the stage axis gives each stage its own. Returns the layouts
+  of the program's inputs and outputs among them (by position); refuses where an op other
+  than the stack and ops that index layers alike reads them."""
+  from partitioner.layouts import _PERMUTES, StageChunks, _grow, _linked
+  from partitioner.propagation import factor_table
+  ops = program.ops
+  rf, rb = program.regions[stack.forward], program.regions[stack.backward]
+  enter_f, enter_b, exit_b = ops[rf.enter], ops[rb.enter], ops[rb.exit]
+  seeds = list(enter_f.inputs[rf.num_carry:]) + list(exit_b.outputs[rb.num_carry:]) + [
+      v for v, k in zip(enter_b.inputs[rb.num_carry:], stack.backward_xs) if k is None]
+  table = factor_table(program)
+  members: dict[int, int] = {}
+  for seed in seeds:
+    grown = _grow(program, table, seed, 0, _PERMUTES) if seed not in members else {}
+    if grown is None or any(members.get(v, d) != d for v, d in grown.items()):
+      _refuse(what, f"{program.name(seed)} is indexed by layer along two dimensions; the "
+                    "interleaved schedule cannot hold its layers by stage")
+    members.update(grown)
+  loops = {rf.enter, rb.enter, rb.exit}
+  for v, d in members.items():
+    if program.values[v].shape[d] != rf.length:
+      _refuse(what, f"{program.name(v)} is indexed like the layers but has "
+                    f"{program.values[v].shape[d]} of them")
+    producer = program.values[v].producer
+    for i in list(program.users[v]) + ([producer] if producer is not None else []):
+      if i not in loops and _linked(table[i], ops[i], v, d, _PERMUTES) is None:
+        _refuse(what, f"op #{i} ({ops[i].name}) reads {program.name(v)} other than layer by "
+                      "layer; the interleaved schedule holds its layers by stage")
+  inputs = {k: StageChunks(members[v], S, V) for k, v in enumerate(program.inputs)
+            if v in members}
+  outputs = {k: StageChunks(members[v], S, V) for k, v in enumerate(program.outputs)
+             if v in members}
+  for k in inputs:
+    if k in program.layouts:
+      _refuse(what, f"{program.input_names[k]} is held in another layout already "
+                    f"({program.layouts[k]})")
+  return inputs, outputs
 
 
 def _kept(program: Program) -> Program:
@@ -145,7 +206,8 @@ def _body_reads(program: Program, region: Region) -> list[int]:
   return out
 
 
-def _stack(program: Program, small: Program, picked, S: int, M: int, what: str) -> Stack:
+def _stack(program: Program, small: Program, picked, S: int, M: int, what: str,
+           V: int = 1) -> Stack:
   pairs = _stacks(program)
   if len(pairs) > 1:
     _refuse(what, f"found {len(pairs)} layer stacks (an encoder and a decoder?); a pipeline "
@@ -156,6 +218,9 @@ def _stack(program: Program, small: Program, picked, S: int, M: int, what: str) 
   L = rf.length
   if L % S:
     _refuse(what, f"the stack has {L} layers, which do not divide into {S} stages")
+  if L % (S * V):
+    _refuse(what, f"the stack has {L} layers, which do not divide into {S} stages of {V} "
+                  "virtual stages")
   describe = program.name
 
   def batch_dim(v):
@@ -249,7 +314,8 @@ def _is_zero(program: Program, v: int) -> bool:
 
 
 def _to_stages(x, S: int, Lp: int):
-  """[L, ...] -> [L/S, S, ...]: stage s holds layers s*L/S ... (s+1)*L/S - 1."""
+  """[L, ...] -> [L/S, S, ...]: stage s holds rows s*L/S ... (s+1)*L/S - 1 (its layers; with
+  virtual stages, held so by `_held_by_stage`: its chunks, one after the other)."""
   import jax.numpy as jnp
   return jnp.moveaxis(x.reshape((S, Lp) + x.shape[1:]), 0, 1)
 
@@ -257,6 +323,41 @@ def _to_stages(x, S: int, Lp: int):
 def _from_stages(x, L: int):
   import jax.numpy as jnp
   return jnp.moveaxis(x, 1, 0).reshape((L,) + x.shape[2:])
+
+
+def _chunk_dims(x, ndim: int):
+  """Gather/scatter dimension numbers of one chunk per stage of `[V*c, S, ...]` (indices
+  `[S, 2]`: the chunk's first row, the stage), the chunk laid out `[c, S, ...]`."""
+  from jax import lax
+  window = (0,) + tuple(range(2, ndim))
+  return (lax.GatherDimensionNumbers(offset_dims=window, collapsed_slice_dims=(1,),
+                                     start_index_map=(0, 1)),
+          lax.ScatterDimensionNumbers(update_window_dims=window, inserted_window_dims=(1,),
+                                      scatter_dims_to_operand_dims=(0, 1)))
+
+
+def _chunk_index(r, c: int):
+  """Per stage, (the first row of chunk r[s], s): the indices of `_pick` and `_add_chunk`."""
+  from jax import lax
+  S = r.shape[0]
+  rows = lax.broadcast_in_dim((r * c).astype(np.int32), (S, 1), (0,))
+  return lax.concatenate([rows, lax.broadcasted_iota(np.int32, (S, 1), 0)], 1)
+
+
+def _pick(x, index, c: int):
+  """`[V*c, S, ...]` -> `[c, S, ...]`: per stage, its chunk (rows index[s, 0] ...)."""
+  from jax import lax
+  gather_dims, _ = _chunk_dims(x, x.ndim)
+  return lax.gather(x, index, gather_dims, (c, 1) + x.shape[2:],
+                    mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _add_chunk(x, index, y):
+  """`x` (`[V*c, S, ...]`) with `y` (`[c, S, ...]`) added to each stage's chunk."""
+  from jax import lax
+  _, scatter_dims = _chunk_dims(x, x.ndim)
+  return lax.scatter_add(x, index, y.astype(x.dtype), scatter_dims,
+                         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def _slot_mask(x, s, S: int):
@@ -290,7 +391,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
   import jax
   import jax.numpy as jnp
   from jax import lax
-  from partitioner.shift import stage_shift
+  from partitioner.shift import stage_view, stage_shift
 
   ops, values, svals = program.ops, program.values, small.values
   rf, rb = program.regions[stack.forward], program.regions[stack.backward]
@@ -308,6 +409,8 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
   from_stages = lambda x: _from_stages(x, L)
   slot_mask = lambda x, s: _slot_mask(x, s, S)
   layers = lambda region, base, c, xs, reverse: _layers(small, region, base, c, xs, Lp, reverse)
+  view_carries = lambda c: [stage_view(a) if d is not None else a
+                            for a, d in zip(c, stack.backward_carries)]
 
   def step(*flat):
     env = MB.input_env(program, flat)
@@ -319,7 +422,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
     # The forward stack: micro-batch m enters stage 0 at iteration m and leaves stage S-1 at
     # iteration m + S - 1.
     dims = stack.forward_carries
-    entering = [MB.strided(env[v], d, M) for v, d in zip(enter_f.inputs[:nf], dims)]
+    entering = [MB.strided(stage_view(env[v]), d, M) for v, d in zip(enter_f.inputs[:nf], dims)]
     entering = [jnp.concatenate([x, jnp.zeros((S - 1,) + x.shape[1:], x.dtype)])
                 for x in entering]
     staged = {}   # a weight both stacks read is held per stage once
@@ -336,8 +439,8 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
       base = list(senv)
       for v, x in zip(fwd_reads, outside):
         base[v] = x
-      c, ys = layers(rf, base, c, w, reverse=False)
-      return c, [ys[k] for k in needed]
+      c, ys = layers(rf, base, [stage_view(a) for a in c], w, reverse=False)
+      return [stage_view(a) for a in c], [stage_view(ys[k]) for k in needed]
 
     def forward(state, x):
       state = [jnp.where(slot_mask(s, 0), a[None], stage_shift(s, 1))
@@ -351,7 +454,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
             for x, v in zip(entering, enter_f.outputs[:nf])]
     _, (left, kept) = lax.scan(forward, init, entering, length=T)
     for v, x, d in zip(exit_f.outputs[:nf], left, dims):
-      env[v] = MB.unstrided(x[S - 1:], d).astype(values[v].dtype)
+      env[v] = stage_view(MB.unstrided(x[S - 1:], d).astype(values[v].dtype))
 
     program.run(env, span=(rf.exit + 1, rb.enter))
 
@@ -359,7 +462,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
     bdims = stack.backward_carries
     bwd_reads = [v for v in _body_reads(program, rb) if v not in stack.invariants]
     coming = [jnp.concatenate([jnp.zeros((S - 1,) + x.shape[1:], x.dtype), x])
-              for x in (MB.strided(env[v], d, M)
+              for x in (MB.strided(stage_view(env[v]), d, M)
                         for v, d in zip(enter_b.inputs[:nb], bdims) if d is not None)]
     stacked = [None if k is not None else held(v)
                for v, k in zip(enter_b.inputs[nb:], stack.backward_xs)]
@@ -374,8 +477,9 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
         base[v] = x
       xs, wi, ri = [], iter(w), iter(res)
       for k in stack.backward_xs:
-        xs.append(next(wi) if k is None else next(ri))
-      return layers(rb, base, c, xs, reverse=True)
+        xs.append(next(wi) if k is None else stage_view(next(ri)))
+      c, g = layers(rb, base, view_carries(c), xs, reverse=True)
+      return view_carries(c), g
 
     weights_b = [x for x in stacked if x is not None]
 
@@ -402,7 +506,7 @@ def _emit(program: Program, small: Program, stack: Stack, S: int, M: int) -> Pro
     left_b = iter(left_b)
     for j, (v, d) in enumerate(zip(exit_b.outputs[:nb], bdims)):
       if d is not None:
-        env[v] = MB.unstrided(next(left_b)[:M], d).astype(values[v].dtype)
+        env[v] = stage_view(MB.unstrided(next(left_b)[:M], d).astype(values[v].dtype))
       else:
         env[v] = (env[enter_b.inputs[j]] + state[j].sum(0)).astype(values[v].dtype)
     for v, g in zip(exit_b.outputs[nb:], grads):
@@ -449,8 +553,65 @@ def _stage_values(program: Program, S: int, T: int, carries: tuple[int, int, int
   return tuple(out)
 
 
+def _timetable(S: int, M: int, V: int) -> dict:
+  """Per iteration t of the 1F1B loop with V virtual stages a device (V=1: plain 1F1B), what
+  each stage does. Micro-batch m = g*S + i runs forward on virtual stage j = r*S + s (device s,
+  its chunk r) at iteration g*VS + r*S + i + s, and backward at VS-1 + g*VS + (V-1-r)*S + i +
+  S-1-s: each hand-over moves one stage a step, the last stage's to the first (a cyclic
+  shift), and a micro-batch's gradient starts back in the iteration its loss is computed.
+  Returns arrays over t (and stage): the forward and backward chunks, whether the first stage
+  takes a new micro-batch, the ring slot written and each stage's slot read, whether stage 0's
+  gradient leaves, and the micro-batch (with its validity) entering, leaving the last stage
+  and leaving the first stage's gradient."""
+  VS = V * S
+  C, T, D = VS - 1, V * M + VS + S - 2, 2 * VS - 1
+  t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+  back = V - 1 - ((t - C - (S - 1 - s)) % VS) // S
+
+  def position(u):
+    """(micro-batch, valid) of the u-th step of a virtual stage's order, on its last chunk."""
+    valid = (u >= 0) & (u < V * M) & (u % VS >= (V - 1) * S)
+    return np.clip(u // VS * S + u % VS - (V - 1) * S, 0, M - 1), valid
+
+  t = t[:, 0]
+  m_out, out_valid = position(t - (S - 1))
+  m_ret, ret_valid = position(t - C - (S - 1))
+  m_in = t // VS * S + t % VS
+  i32 = lambda a: np.asarray(a, np.int32)
+  ends = ((t % VS) < S) | (((t + 1) % VS) < S) | (back[:, 0] == 0)
+  return {"forward": i32(((t[:, None] - s) % VS) // S), "backward": i32(back), "ends": ends,
+          "enter": (t % VS) < S, "in_valid": ((t % VS) < S) & (m_in < M),
+          "write": i32(t % D), "read": i32((t[:, None] - 2 * (VS - 1 - (back * S + s))) % D),
+          "leave": back[:, 0] == 0, "out_valid": out_valid, "ret_valid": ret_valid,
+          "m_in": i32(np.clip(m_in, 0, M - 1)), "m_out": i32(m_out), "m_ret": i32(m_ret)}
+
+
+def _segments(flags) -> list[tuple[int, list[tuple[int, bool]]]]:
+  """`flags` (per iteration) as (k, runs): k times the runs (length, flag) in order; runs
+  that repeat in pairs are grouped so."""
+  runs = []
+  for f in np.asarray(flags).tolist():
+    if runs and runs[-1][1] == f:
+      runs[-1][0] += 1
+    else:
+      runs.append([1, f])
+  runs = [tuple(r) for r in runs]
+  out, i = [], 0
+  while i < len(runs):
+    k = 1
+    while runs[i + 2 * k:i + 2 * k + 2] == runs[i:i + 2] and len(runs[i:i + 2]) == 2:
+      k += 1
+    if k > 1:
+      out.append((k, list(runs[i:i + 2])))
+      i += 2 * k
+    else:
+      out.append((1, [runs[i]]))
+      i += 1
+  return out
+
+
 def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: int,
-               what: str) -> Program:
+               what: str, V: int = 1) -> Program:
   """The step with its whole per-example part in one pipeline, in 1F1B's order: micro-batch m
   runs forward on stage s at iteration m + s, its loss and gradient at the last stage right
   after, and backward on stage s at iteration m + 2(S-1) - s. Each stage holds the activations
@@ -464,14 +625,16 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   import jax
   import jax.numpy as jnp
   from jax import lax
-  from partitioner.shift import stage_shift
+  from partitioner.shift import stage_view, stage_shift
 
   ops, values, svals = program.ops, program.values, small.values
   rf, rb = program.regions[stack.forward], program.regions[stack.backward]
   enter_f, exit_f, enter_b, exit_b = (ops[rf.enter], ops[rf.exit], ops[rb.enter], ops[rb.exit])
   nf, nb = rf.num_carry, rb.num_carry
-  L, T, D = rf.length, M + 2 * S - 2, 2 * S - 1
+  L, VS = rf.length, V * S
+  C, T, D = VS - 1, V * M + VS + S - 2, 2 * VS - 1
   Lp = L // S
+  Lc = Lp // V   # layers of a chunk (a virtual stage)
   if rf.enter not in cut.body or rb.enter not in cut.body:
     _refuse(what, "the layer stack does not run per example")
   if cut.stacked:
@@ -567,6 +730,16 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   split = list(cut.split.items())
   to_stages = lambda x: _to_stages(x, S, Lp)
   mask = lambda x, s: _slot_mask(x, s, S)
+  table = _timetable(S, M, V)
+  loops = []   # (length, stage dim of each carry) of the pipeline's top-level loops, as emitted
+  n_accs = sum(d is None for d in bdims)
+
+  def carried(backward: bool, ends: bool) -> tuple:
+    """The stage dimension of each carry of a loop (per the carry's structure in `step`)."""
+    return tuple([0] * nf + [0] * (nb - n_accs) + [0] * len(needed)
+                 + ([0] * n_accs + [1] * len(exit_b.outputs[nb:]) if backward else [])
+                 + ([0] * (len(head_sums) + len(tail_sums)) if backward and ends else [])
+                 + ([None] * len(embed_sums) if ends else []))
   zero = lambda x: jnp.zeros((), x.dtype)
 
   def step(*flat):
@@ -577,16 +750,12 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
     for v in cut.invariant:
       base[v] = env[v]
 
-    def pad(x, front):
-      back = T - M - front
-      return jnp.concatenate([jnp.zeros((front,) + x.shape[1:], x.dtype), x,
-                              jnp.zeros((back,) + x.shape[1:], x.dtype)])
-
     data = [MB.strided(env[v], d, M) for v, d in split]
-    # Per iteration t: the data of the micro-batch entering (t), leaving the last stage
-    # (t - S + 1) and leaving the gradient of the first stage (t - 2S + 2).
-    xs = (jnp.arange(T), [pad(x, 0) for x in data], [pad(x, S - 1) for x in data],
-          [pad(x, 2 * S - 2) for x in data])
+    # Per iteration: what each stage does, and the data of the micro-batch entering, leaving
+    # the last stage and leaving the gradient of the first stage.
+    plan = {k: jnp.asarray(a) for k, a in table.items() if not k.startswith("m_") and k != "ends"}
+    xs = (plan, *([jnp.take(x, table[k], axis=0) for x in data]
+                  for k in ("m_in", "m_out", "m_ret")))
     staged = {}   # a weight both stacks read is held per stage once
     for v in list(enter_f.inputs[nf:]) + [v for v, k in zip(enter_b.inputs[nb:],
                                                              stack.backward_xs) if k is None]:
@@ -604,23 +773,25 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
       return senv
 
     def stage_forward(w, c):
-      c, ys = _layers(small, rf, base, c, w, Lp, reverse=False)
-      return c, [ys[k] for k in needed]
+      c, ys = _layers(small, rf, base, [stage_view(a) for a in c], w, Lc, reverse=False)
+      return [stage_view(a) for a in c], [stage_view(ys[k]) for k in needed]
 
     def stage_backward(w, res, c):
       x, wi, ri = [], iter(w), iter(res)
       for k in stack.backward_xs:
-        x.append(next(wi) if k is None else next(ri))
-      return _layers(small, rb, base, c, x, Lp, reverse=True)
+        x.append(next(wi) if k is None else stage_view(next(ri)))
+      view = lambda c: [stage_view(a) if d is not None else a for a, d in zip(c, bdims)]
+      c, g = _layers(small, rb, base, view(c), x, Lc, reverse=True)
+      return view(c), g
 
     def loss_and_gradient(out, batch):
       """The per-example work between the stack and its gradient (the head, the loss and
       their gradients), on one stage's slot: the gradient entering the stack, and sums."""
       senv = embedded(batch)
       for v, x in zip(exit_f.outputs[:nf], out):
-        senv[v] = x
+        senv[v] = stage_view(x)
       small.run(senv, only=head)
-      return ([senv[v] for v, d in zip(enter_b.inputs[:nb], bdims) if d is not None],
+      return ([stage_view(senv[v]) for v, d in zip(enter_b.inputs[:nb], bdims) if d is not None],
               [senv[v] for v in head_sums])
 
     def after(grad_in, batch):
@@ -629,47 +800,62 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
       slots = iter(grad_in)
       for v, d in zip(exit_b.outputs[:nb], bdims):
         if d is not None:
-          senv[v] = next(slots)
+          senv[v] = stage_view(next(slots))
       small.run(senv, only=tail)
       return [senv[v] for v in tail_sums]
 
-    def iteration(carry, x, forward: bool, both: bool, backward: bool):
+    def chunks(weights, r):
+      """Each stage's chunk r[s] of its weights (all of them without virtual stages)."""
+      return weights if V == 1 else [_pick(w, _chunk_index(r, Lc), Lc) for w in weights]
+
+    def iteration(carry, x, ends: bool, backward: bool):
+      """One iteration: every stage's forward, and with `backward` its backward; with `ends`
+      the per-example work before and after the stack (entering, the head and loss, the
+      embedding's gradient), which interleaved stages need in S+2 of every VS iterations."""
       fstate, cts, ring, (accs, grads, head_acc, tail_acc, embed_acc) = carry
-      t, entering, leaving, returning = x
-      if forward:
+      now, entering, leaving, returning = x
+      if ends:
         senv = embedded(entering)
-        valid = t < M
-        embed_acc = [a + jnp.where(valid, senv[v], zero(senv[v])).astype(a.dtype)
+        embed_acc = [a + jnp.where(now["in_valid"], senv[v], zero(senv[v])).astype(a.dtype)
                      for a, v in zip(embed_acc, embed_sums)]
-        fstate = [jnp.where(mask(s, 0), senv[v][None], stage_shift(s, 1))
+        fstate = [jnp.where(mask(s, 0) & now["enter"], stage_view(senv[v])[None],
+                            stage_shift(s, 1))
                   for s, v in zip(fstate, enter_f.inputs[:nf])]
-        fstate, kept = jax.vmap(stage_forward, in_axes=(1, 0))(weights_f, fstate)
-        ring = [lax.dynamic_update_slice_in_dim(r, k[:, :, None].astype(r.dtype), t % D, axis=2)
-                for r, k in zip(ring, kept)]
-      if both:
+      else:
+        fstate = [stage_shift(s, 1) for s in fstate]
+      fstate, kept = jax.vmap(stage_forward, in_axes=(1, 0))(
+          chunks(weights_f, now["forward"]), fstate)
+      ring = [lax.dynamic_update_slice_in_dim(r, k[:, :, None].astype(r.dtype), now["write"],
+                                              axis=2)
+              for r, k in zip(ring, kept)]
+      if ends and backward:
         grad_out, made_ = jax.vmap(loss_and_gradient, in_axes=(0, None))(fstate, leaving)
-        valid = (t >= S - 1) & (t < M + S - 1)
+        valid = now["out_valid"]
         last = lambda s: mask(s, S - 1) & valid
         cts = [s + jnp.where(last(s), g.astype(s.dtype), zero(s)) for s, g in zip(cts, grad_out)]
         head_acc = [a + jnp.where(last(m), m, zero(m)).astype(a.dtype)
                     for a, m in zip(head_acc, made_)]
       if backward:
-        when = (t - 2 * (S - 1 - lax.iota(np.int32, S))) % D   # each stage's own delay
         res = [jax.vmap(lambda r, i: lax.dynamic_index_in_dim(r, i, 1, keepdims=False),
-                        out_axes=1)(r, when) for r in ring]
+                        out_axes=1)(r, now["read"]) for r in ring]   # each stage's own delay
         ci, ai = iter(cts), iter(accs)
         state = [next(ci) if d is not None else next(ai) for d in bdims]
         state, g = jax.vmap(stage_backward, in_axes=(1, 1, 0), out_axes=(0, 1))(
-            weights_b, res, state)
+            chunks(weights_b, now["backward"]), res, state)
         cts = [s for s, d in zip(state, bdims) if d is not None]
         accs = [s for s, d in zip(state, bdims) if d is None]
-        grads = [a + y.astype(a.dtype) for a, y in zip(grads, g)]
-        valid = (t >= 2 * S - 2) & (t < T)
-        made_ = jax.vmap(after, in_axes=(0, None))(cts, returning)
-        first = lambda s: mask(s, 0) & valid
-        tail_acc = [a + jnp.where(first(m), m, zero(m)).astype(a.dtype)
-                    for a, m in zip(tail_acc, made_)]
-        cts = [stage_shift(jnp.where(mask(s, 0), zero(s), s), -1) for s in cts]
+        if V == 1:
+          grads = [a + y.astype(a.dtype) for a, y in zip(grads, g)]
+        else:
+          at = _chunk_index(now["backward"], Lc)
+          grads = [_add_chunk(a, at, y) for a, y in zip(grads, g)]
+        if ends:
+          made_ = jax.vmap(after, in_axes=(0, None))(cts, returning)
+          first = lambda s: mask(s, 0) & now["ret_valid"]
+          tail_acc = [a + jnp.where(first(m), m, zero(m)).astype(a.dtype)
+                      for a, m in zip(tail_acc, made_)]
+        # What leaves the first stage is done; what does not goes round to the last.
+        cts = [stage_shift(jnp.where(mask(s, 0) & now["leave"], zero(s), s), -1) for s in cts]
       return (fstate, cts, ring, (accs, grads, head_acc, tail_acc, embed_acc)), None
 
     sdt = lambda v: svals[v].dtype
@@ -680,41 +866,79 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
     # A stage between micro-batches runs backward on a zero gradient and slots of the ring no
     # micro-batch wrote: they start as what its layers keep of a zero input, so that this
     # work is finite and adds exactly zero (a variance of 0 would make inf times 0).
-    # The ring is [S, L/S, 2S-1, ...]: per stage, per layer of it, per slot.
-    _, kept0 = jax.vmap(stage_forward, in_axes=(1, 0))(weights_f, fstate)
+    # The ring is [S, L/(SV), 2VS-1, ...]: per stage, per layer of a chunk, per slot.
+    _, kept0 = jax.vmap(stage_forward, in_axes=(1, 0))([w[:Lc] for w in weights_f], fstate)
     ring = [jnp.broadcast_to(k[:, :, None], k.shape[:2] + (D,) + k.shape[2:]).astype(sdt(v))
             for k, v in zip(kept0, kept_f)]
 
-    def sums(backward: bool = True):
-      """Sums over micro-batches, from zeros in each loop (so that each stays partial over
-      the data-parallel axes to its loop's end, and is reduced once), added up after; a
-      loop of forward work only makes none but the embedding's."""
-      if not backward:
-        return [], [], [], [], [jnp.zeros(values[v].shape, MB.wide(values[v].dtype))
-                                for v in embed_sums]
+    def sums(backward: bool, ends: bool):
+      """The sums over micro-batches a loop adds to, zeros to begin with: a loop of forward
+      work only adds to none but the embedding's, one without the ends to none of theirs."""
       per_slot = lambda vs: [jnp.zeros((S,) + values[v].shape, MB.wide(values[v].dtype))
-                             for v in vs]
+                             for v in vs] if backward and ends else []
       return ([jnp.zeros((S,) + svals[v].shape, MB.wide(sdt(v)))
-               for v, d in zip(enter_b.outputs[:nb], bdims) if d is None],
+               for v, d in zip(enter_b.outputs[:nb], bdims) if d is None and backward],
               [jnp.zeros((Lp, S) + values[v].shape[1:], MB.wide(values[v].dtype))
-               for v in exit_b.outputs[nb:]],
+               for v in exit_b.outputs[nb:] if backward],
               per_slot(head_sums), per_slot(tail_sums),
-              [jnp.zeros(values[v].shape, MB.wide(values[v].dtype)) for v in embed_sums])
+              [jnp.zeros(values[v].shape, MB.wide(values[v].dtype)) for v in embed_sums
+               if ends])
 
-    total = None
-    # S-1 iterations of forward work only, then M+S-1 of all of it (the last S-1 run the
-    # forward on padding: one loop keeps one set of sums, where a third loop of backward work
-    # only would hold a second set of gradients until the end).
-    phases = ((0, S - 1, (True, False, False)), (S - 1, T, (True, True, True)))
-    for lo, hi, (f, h, b) in phases:
-      if hi > lo:
-        part = jax.tree_util.tree_map(lambda a: a[lo:hi], xs)
-        (fstate, cts, ring, made_), _ = lax.scan(lambda c, x: iteration(c, x, f, h, b),
-                                                 (fstate, cts, ring, sums(b)), part,
-                                                 length=hi - lo)
-        total = made_ if total is None else made_[:4] + (
-            [a + e for a, e in zip(total[4], made_[4])],)
-    accs, grads, head_acc, tail_acc, embed_acc = total
+    def carried_sums(acc, backward: bool, ends: bool):
+      """The sums a loop adds to (`sums`' parts), the others left out."""
+      return tuple(x if keep else [] for x, keep in zip(
+          acc, (backward, backward, backward and ends, backward and ends, ends)))
+
+    def merged(acc, made_):
+      return tuple(y if y else x for x, y in zip(acc, made_))
+
+    def loop(state, acc, part, ends: bool, backward: bool, length: int):
+      """A loop of `length` iterations, carrying on the sums it adds to: each stays partial
+      over the data-parallel axes from the first loop that adds to it to the last, and is
+      reduced once after it."""
+      loops.append((length, carried(backward, ends)))
+      (*state, made_), _ = lax.scan(lambda c, x: iteration(c, x, ends, backward),
+                                    (*state, carried_sums(acc, backward, ends)), part,
+                                    length=length)
+      return tuple(state), merged(acc, made_)
+
+    def rounds(state, acc, part, runs, k: int, backward: bool):
+      """`k` rounds of the same runs (with and without the ends) in a loop of loops."""
+      loops.append((k, carried(backward, True)))
+      part = jax.tree_util.tree_map(lambda a: a.reshape((k, -1) + a.shape[1:]), part)
+
+      def body(carry, x):
+        *state, inner = carry
+        state, at = tuple(state), 0
+        for n, ends in runs:
+          piece = jax.tree_util.tree_map(lambda a: a[at:at + n], x)
+          state, inner = loop(state, inner, piece, ends, backward, n)
+          at += n
+        return (*state, inner), None
+
+      loops_before = len(loops)
+      (*state, made_), _ = lax.scan(body, (*state, carried_sums(acc, backward, True)), part,
+                                    length=k)
+      del loops[loops_before:]   # the inner loops are nested, not the pipeline's own
+      return tuple(state), merged(acc, made_)
+
+    # VS-1 iterations of forward work only, then VM+S-1 of all of it (the last ones run the
+    # forward on padding: one set of sums, where a loop of backward work only after would
+    # hold a second set of gradients until the end). Where interleaved stages need the ends
+    # in only some iterations, those repeat every VS iterations: each run of iterations that
+    # need them and of those that do not is a loop, and k rounds of them a loop of loops.
+    loops.clear()
+    state, acc = (fstate, cts, ring), sums(True, True)
+    for lo, hi, backward in ((0, C, False), (C, T, True)):
+      at = lo
+      for k, runs in _segments(table["ends"][lo:hi]):
+        n = k * sum(r for r, _ in runs)
+        part = jax.tree_util.tree_map(lambda a: a[at:at + n], xs)
+        state, acc = (loop(state, acc, part, runs[0][1], backward, n)
+                      if k == 1 and len(runs) == 1 else rounds(state, acc, part, runs, k, backward))
+        at += n
+    fstate, cts, ring = state
+    accs, grads, head_acc, tail_acc, embed_acc = acc
 
     acc_of = dict(zip([j for j, d in enumerate(bdims) if d is None], accs))
     for v, (kind, k) in group.items():
@@ -739,21 +963,19 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
     return [jnp.asarray(env[v]) for v in program.outputs]
 
   out = MB.traced_step(program, step)
-  # The stage dimension of every carry of the two loops (per the carry's structure above).
-  n_accs = sum(d is None for d in bdims)
-  dims = ([0] * nf + [0] * (nb - n_accs) + [0] * len(needed) + [0] * n_accs
-          + [1] * len(exit_b.outputs[nb:]) + [0] * (len(head_sums) + len(tail_sums))
-          + [None] * len(embed_sums))
-  forward_only = dims[:nf + nb - n_accs + len(needed)] + [None] * len(embed_sums)
-  found = []
-  for r in out.regions:
-    for length, ds in ((S - 1, forward_only), (M + S - 1, dims)):
-      if r.parent < 0 and r.num_carry == len(ds) and r.length == length:
-        init = out.ops[r.enter].inputs[:r.num_carry]
-        found += [(v, d) for v, d in zip(init, ds) if d is not None]
+  # The values whose stage dimension the stage axis splits: the carries of the pipeline's
+  # loops (the loops nested in them follow), matched to the loops in the order emitted (a
+  # loop of one iteration may be traced as straight-line code: the others carry its values).
+  found, top, at = [], [r for r in out.regions if r.parent < 0], 0
+  for length, ds in loops:
+    match = next((k for k in range(at, len(top))
+                  if (top[k].length, top[k].num_carry) == (length, len(ds))), None)
+    if match is not None:
+      init = out.ops[top[match].enter].inputs[:top[match].num_carry]
+      found += [(v, d) for v, d in zip(init, ds) if d is not None]
+      at = match + 1
   out.stage_values = tuple(found)
   # What crosses stages and what a stage keeps: the activations, their gradients, the ring.
   handed = range(nf + nb - n_accs + len(needed))
-  out.handed = _handed(out, ((S - 1, False, len(forward_only), handed),
-                             (M + S - 1, False, len(dims), handed)))
+  out.handed = _handed(out, tuple({(length, False, len(ds), handed) for length, ds in loops}))
   return out

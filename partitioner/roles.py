@@ -13,6 +13,8 @@ output factor through the forward pass until another weight contracts it.
 
 from __future__ import annotations
 
+import math
+
 import collections
 import re
 from typing import NamedTuple
@@ -245,16 +247,48 @@ def param_source(program: Program, vid: int, params: frozenset[int]):
       kept = [d for d in range(src.rank) if d not in op.params["dimensions"]]
       dims = [kept[d] for d in dims]
       vid = op.inputs[0]
-    elif (op.name == "reshape" and src.rank and program.values[vid].rank == src.rank + 1
-          and program.values[vid].shape[2:] == src.shape[1:]):   # layers cut into stages
-      dims = [max(d - 1, 0) for d in dims]
+    elif op.name == "reshape" and _layers_regrouped(src.shape, program.values[vid].shape):
+      # Layers cut into stages (and chunks of virtual stages): the leading dims regrouped,
+      # the layer's own dims after them as they were.
+      k = len(_common_tail(src.shape, program.values[vid].shape))
+      lead = program.values[vid].rank - k
+      dims = [d - lead + src.rank - k if d >= lead else 0 for d in dims]
       vid = op.inputs[0]
+    elif op.name == "gather" and _is_chunk_pick(op, src, program.values[vid]):
+      vid = op.inputs[0]   # each pipeline stage's chunk of its layers (virtual stages)
     elif op.name == "scan_enter" and op.outputs.index(vid) >= op.params["num_carry"]:
       vid = op.inputs[op.outputs.index(vid)]   # one iteration's slice of a stacked input
       dims = [d + 1 for d in dims]
     else:
       return None
   return vid, dims
+
+
+def _common_tail(a: tuple, b: tuple) -> tuple:
+  k = 0
+  while k < min(len(a), len(b)) and a[len(a) - 1 - k] == b[len(b) - 1 - k]:
+    k += 1
+  return a[len(a) - k:]
+
+
+def _layers_regrouped(src: tuple, out: tuple) -> bool:
+  """Whether a reshape only regroups the leading (layer, stage, chunk) dims of a stacked
+  weight: the same trailing dims, all but the first of the source's among them, and the
+  leading dims holding as many elements on both sides."""
+  tail = _common_tail(src, out)
+  k = len(tail)
+  return (0 < len(src) - k <= 3 and 0 < len(out) - k <= 3 and k >= len(src) - 3 and
+          math.prod(src[:len(src) - k]) == math.prod(out[:len(out) - k]) and
+          (len(src) - k == 1 or len(out) - k == 1))
+
+
+def _is_chunk_pick(op, src, out) -> bool:
+  """A gather of one chunk of rows per stage from `[V*c, S, ...]` (`pipeline._pick`): every
+  dim but the stage's a window, the layer's own dims whole."""
+  dn = op.params["dimension_numbers"]
+  return (src.rank == out.rank >= 2 and tuple(dn.collapsed_slice_dims) == (1,) and
+          tuple(dn.offset_dims) == (0,) + tuple(range(2, out.rank)) and
+          out.shape[1] == src.shape[1] and out.shape[2:] == src.shape[2:])
 
 
 @per_program

@@ -166,15 +166,17 @@ class Pipeline(ProgramRewrite):
   """Pipeline parallelism: the layer stack cut into `stages` stages of consecutive layers (by
   default one per device of `axis`), that `microbatches` micro-batches (by default four per
   stage) stream through (partitioner/pipeline.py): in 1F1B's order (the whole per-example
-  step in the pipeline; each stage keeps at most 2S-1 micro-batches' activations) or GPipe's
+  step in the pipeline; each stage keeps at most 2S-1 micro-batches' activations), GPipe's
   (the stack's forward for every micro-batch, then its backward; the rest of the step on the
-  whole batch). Weights and
-  optimizer state of a layer live on its stage only; activations cross stages in collective
-  permutes; (S-1)/(M+S-1) of each stage's time is idle."""
+  whole batch), or interleaved (1F1B with `virtual` chunks of layers a device, stage s holding
+  chunks s, s+S, ...: the bubble is about 1/V of 1F1B's, for V times the hand-overs). Weights
+  and optimizer state of a layer live on its stage only; activations cross stages in
+  collective permutes; (S-1)/(M+S-1) of each stage's time is idle (1F1B, GPipe)."""
   axis: str
   stages: int = 0           # 0: the axis' size
   microbatches: int = 0     # 0: four per stage
   schedule: str = "1f1b"
+  virtual: int = 0          # chunks a device under schedule=interleaved (0: 2; else 1)
   name: ClassVar[str] = "Pipeline"
 
   def sizes(self, mesh) -> tuple[int, int]:
@@ -185,10 +187,17 @@ class Pipeline(ProgramRewrite):
 
   def rewrite(self, program, mesh):
     from partitioner.pipeline import pipeline
-    return pipeline(program, *self.sizes(mesh), self.schedule)
+    virtual = self.virtual or (2 if self.schedule == "interleaved" else 1)
+    return pipeline(program, *self.sizes(mesh), self.schedule, virtual)
 
   def describe(self, program) -> str:
     s, m = program.stages, program.microbatches
+    if self.schedule == "interleaved":
+      v = self.virtual or 2
+      return (f"{s} stages of {v} chunks of the layer stack (stage i holds chunks i, i+{s}, "
+              f"...), {m} micro-batches streamed in interleaved 1F1B order, each stage keeping "
+              f"at most {2 * v * s - 1} chunks' activations; {v * s - 1 + s - 1} of "
+              f"{v * m + v * s + s - 2} iterations a chunk long are bubble")
     kept = f"at most {2 * s - 1}" if self.schedule == "1f1b" else f"all {m + s - 1}"
     return (f"{s} stages of the layer stack, {m} micro-batches streamed in {self.schedule} "
             f"order, each stage keeping {kept} micro-batches' activations; the bubble is "
@@ -209,10 +218,11 @@ class Pipeline(ProgramRewrite):
 class StageScatter(Tactic):
   """Megatron-LM's scatter/gather of a pipeline's hand-overs: the activations crossing stages
   (and their gradients), and those a stage keeps for its backward pass, held split over `axis`
-  along their features; a stage gathers them where its layers read them. A hand-over then
-  moves 1/n of its bytes over each device's own link, and a stage keeps 1/n of them. It comes
-  after the tactics that shard the layers over `axis` (Megatron): applied before them, the
-  split features would reach the weights first."""
+  along their features; a stage gathers them where its layers read them (`stage_view`, kept
+  off `axis`), so the layers stay as the tactics before shard them. A hand-over then moves 1/n
+  of its bytes over each device's own link, and a stage keeps 1/n of them. It comes after the
+  tactics that shard the layers over `axis` (Megatron): applied before them, the split
+  features would reach the weights first."""
   axis: str
   name: ClassVar[str] = "StageScatter"
 
@@ -230,6 +240,9 @@ class StageScatter(Tactic):
     if not split:
       raise ScheduleError(f"{self}: nothing a stage hands over or keeps has features that "
                           f"divide over {self.axis}={n} and are not split over it already")
+    for op in ctx.program.ops:
+      if op.name == "stage_view" and not any(self.axis in axes for axes in dims[op.outputs[0]]):
+        ctx.state.forbid(op.outputs[0], (self.axis,), ctx.index)
     for vid, dim in split:
       ctx.tile(vid, dim, self.axis)
     ctx.propagate()

@@ -9,9 +9,12 @@
 # rows it gathers and an update in place moves the update, not the whole buffer; 10: a loop's
 # entry and exit move nothing, its body reads the slices it uses; 11: a stacked sum cast up as
 # it leaves an inner loop stays partial into the outer loop's float32 accumulator: bf16 layer
-# gradients reduced once after a pipeline's loops, not in every iteration), so that
+# gradients reduced once after a pipeline's loops, not in every iteration; 12: `StageScatter`
+# gathers a hand-over where a stage's layers read it, and the layers stay sharded as before,
+# where the split features used to run through the layers; a scatter-add updates in place and,
+# on GPUs, fuses the producers of its updates), so that
 # stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 11
+COST_MODEL_VERSION = 12
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

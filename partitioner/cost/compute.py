@@ -169,14 +169,19 @@ def _read_scale(op, program) -> float:
   if op.name == "dynamic_update_slice":   # in place: reads the update, not the buffer
     size = sum(program.values[v].size for v in op.inputs[:2])
     return program.values[op.inputs[1]].size / size if size else 1.0
+  if op.name == "scatter-add":   # in place: reads the updates and the rows they add to
+    size = sum(program.values[v].size for v in op.inputs)
+    rows = 2 * program.values[op.inputs[2]].size + program.values[op.inputs[1]].size
+    return min(1.0, rows / size) if size else 1.0
   return 1.0
 
 
 def _write_scale(op, program) -> float:
   """The share of its results' bytes an op writes: an update in place writes the update."""
-  if op.name == "dynamic_update_slice":
+  if op.name in ("dynamic_update_slice", "scatter-add"):
     size = program.values[op.outputs[0]].size
-    return program.values[op.inputs[1]].size / size if size else 1.0
+    update = op.inputs[1 if op.name == "dynamic_update_slice" else 2]
+    return min(1.0, program.values[update].size / size) if size else 1.0
   return 1.0
 
 

@@ -6,7 +6,8 @@ A hardware names one of two models (`Hardware.fusion`), each fitted to what XLA 
   consecutive in the order ops run, joined by values passed inside the run.
 - `producer` (XLA:GPU, measured on an H100 from the kernels of XLA's optimised programs): an
   elementwise or shape op fuses into the ops that read its result when all of them can fuse it,
-  wherever they run. A result read by several kernels is recomputed in each (XLA duplicates it)
+  wherever they run (a scatter-add fuses the producers of its updates, and ends its kernel).
+  A result read by several kernels is recomputed in each (XLA duplicates it)
   unless that re-reads more bytes than writing it once and reading it in each kernel; then it is
   stored, as XLA's priority fusion decides. Reductions end a kernel; a kernel runs where its last
   op (its root) runs.
@@ -103,7 +104,8 @@ def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:
     for v in op.outputs:
       readers = set(users[v])
       fuses = (v not in outputs and bool(readers) and
-               all(fusible[u] and region[u] == region[i] for u in readers))
+               all((fusible[u] or _absorbs(ops[u], v)) and region[u] == region[i]
+                   for u in readers))
       if fuses and len(readers) > 1:   # recomputed in each reader, or stored once
         fuses = reads[i] * len(readers) <= nbytes[v] * (1 + len(readers))
       internal[v] = fuses
@@ -134,6 +136,13 @@ def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:
   stored[roots] = True
   return Kernels(group, len(roots), internal,
                  np.where(stored & bitcast, 0.0, read_scale) * copies, last_run)
+
+
+def _absorbs(op, v: int) -> bool:
+  """Whether an op that ends a kernel computes its operand `v` inside it: a scatter's updates
+  (XLA:GPU fuses their elementwise producers into the scatter, whose operand it updates in
+  place)."""
+  return op.name == "scatter-add" and len(op.inputs) == 3 and op.inputs[2] == v
 
 
 def _regions(program: Program):

@@ -6,7 +6,7 @@ from partitioner.rules import Unsupported, factor_rule, shapes_of
 UNARY = """neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan
 asin acos atan sinh cosh asinh acosh atanh lgamma digamma erf erfc erf_inv sqrt rsqrt cbrt abs not
 population_count clz real imag conj integer_pow convert_element_type reduce_precision stop_gradient
-copy square bessel_i0e bessel_i1e sharding_constraint""".split()
+copy square bessel_i0e bessel_i1e sharding_constraint stage_view""".split()
 NARY = """add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge shift_left
 shift_right_arithmetic shift_right_logical add_any complex igamma igammac igamma_grad_a polygamma
 zeta random_gamma_grad regularized_incomplete_beta select_n clamp threefry2x32""".split()

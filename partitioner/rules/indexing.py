@@ -260,8 +260,13 @@ def scatter_add_local(op, ctx, args):
     scatter_upd = tuple(d for d in range(updates.ndim) if d not in dn.update_window_dims)
     updates = jnp.where(lax.broadcast_in_dim(mask, updates.shape, scatter_upd), updates,
                         jnp.zeros((), updates.dtype))
-  if ctx.partial:
-    # The result is summed over these axes afterwards: only one device keeps the operand.
-    first = _all_first(ctx, [(a,) for a in ctx.partial])
+  # The result is summed afterwards over the axes that split the updates' summed dims: only
+  # one device keeps the operand. (Over axes that a held partial sum, operand and updates
+  # alike, is partial over, each device's operand is its own summand.)
+  summed = {a for f, axes in enumerate(ctx.plan.fac_axes) if ctx.factors.kinds[f] == SUM
+            for a in axes}
+  over = [a for a in ctx.partial if a in summed]
+  if over:
+    first = _all_first(ctx, [(a,) for a in over])
     operand = jnp.where(first, operand, jnp.zeros((), operand.dtype))
   return bind(op, [operand, indices, updates], op.params)

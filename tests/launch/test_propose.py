@@ -124,9 +124,10 @@ def test_renaming_or_reordering_leaves_the_proposal_unchanged(capsys):
 # and `make test-current`), so the same checkpoint must make the same plan on current JAX. The
 # step times differ by up to 2.5% between the stacks: JAX 0.10 and optax 0.2.8 trace the same
 # step with other ops (`square` for `integer_pow`, more broadcasts), which fuse otherwise.
-# `make policy` changes the plan: measure it again on the pinned stack and write it here.
+# `make policy` changes the plan, and the cost model its time (12: 8.93 -> 8.54 ms, the
+# embedding's gradient scatter-add updating in place): measure it again on the pinned stack.
 PINNED_PLAN = ("BatchParallel(model); BatchParallel(batch); ZeRO(batch, stage=2)",
-               1969078280, 8.93e-3)
+               1969078280, 8.54e-3)
 
 
 def test_the_policy_trained_on_the_pinned_stack_plays_the_same_plan_on_this_one(capsys):

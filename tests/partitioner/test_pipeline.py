@@ -1,5 +1,6 @@
 """`Pipeline(axis, stages, microbatches, schedule)`: a scanned layer stack cut into stages that
-micro-batches stream through, in SPMD form, in GPipe's order or 1F1B's. Exact against the
+micro-batches stream through, in SPMD form, in GPipe's order, 1F1B's or interleaved 1F1B's
+(virtual stages). Exact against the
 whole step, unpartitioned and under both lowerings, composed with data parallelism, Megatron
 and ZeRO; the hand-over between stages is one collective permute each way per iteration, as XLA
 compiles it; refused in one line where the step cannot be cut so."""
@@ -140,8 +141,9 @@ def test_the_hand_over_is_one_collective_permute_each_way_as_xla_compiles_it(gpt
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_stage_scatter_splits_the_hand_over_and_what_a_stage_keeps(gpt, schedule):
   """Megatron-LM's scatter/gather: the activations crossing stages are split over the tensor
-  axis, so each permute moves half the bytes over `model=2`, the stages keep less, and the
-  step is still exact."""
+  axis, so each permute moves half the bytes over `model=2`, the stages keep less, the layers
+  are sharded as Megatron alone shards them (the gather is where a stage reads a hand-over,
+  not a split residual stream through the layers), and the step is still exact."""
   fn, args, program = gpt
   base = (f"Pipeline(stage, microbatches=2, schedule={schedule}); BatchParallel(batch); "
           "Megatron(model)")
@@ -151,6 +153,9 @@ def test_stage_scatter_splits_the_hand_over_and_what_a_stage_keeps(gpt, schedule
   assert moved(split) == [b // 2 for b in moved(plain)]
   assert simulate(split, "h100").peak_memory_bytes < simulate(plain, "h100").peak_memory_bytes
   assert any(c.kind == "all-gather" and c.axes == ("model",) for c in split.collectives)
+  layers = lambda pp: sorted((c.kind, c.bytes) for c in pp.collectives
+                             if c.axes == ("model",) and c.kind != "all-gather")
+  assert layers(split) == layers(plain)
   result = verify(split, args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
 
@@ -177,8 +182,12 @@ def test_more_micro_batches_shrink_the_bubble(gpt):
 @pytest.mark.parametrize("schedule, message", [
     ("Pipeline(stage, stages=3, microbatches=2)", "4 layers, which do not divide into 3 stages"),
     ("Pipeline(stage, stages=2, microbatches=3)", "does not divide into 3 micro-batches"),
-    ("Pipeline(stage, stages=2, microbatches=2, schedule=interleaved)",
-     "interleaved schedule \\(virtual stages\\) is not built"),
+    ("Pipeline(stage, stages=2, microbatches=2, schedule=interleaved, virtual=4)",
+     "4 layers, which do not divide into 2 stages of 4 virtual stages"),
+    ("Pipeline(stage, stages=2, microbatches=1, schedule=interleaved)",
+     "1 micro-batches do not divide into rounds of 2"),
+    ("Pipeline(stage, stages=2, microbatches=2, virtual=2)",
+     "the interleaved schedule takes 2 or more, the others 1"),
     ("Pipeline(stage, stages=3, microbatches=2, schedule=zigzag)", "schedule must be one of"),
     ("Pipeline(stage, microbatches=2); Microbatch(2)", "put it first"),
 ])
@@ -217,3 +226,78 @@ def test_ptd_p_and_pp_dp_are_hand_schedules_that_apply_to_a_scanned_stack():
   dp, pp = results["dp"].cost.memory.breakdown, results["pp+dp"].cost.memory.breakdown
   stacked = lambda b: b["parameters"] + b["optimizer_state"]
   assert stacked(pp) < stacked(dp)
+
+
+@pytest.mark.parametrize("S, M, V", [(2, 4, 1), (2, 8, 3), (4, 8, 2), (3, 6, 4)])
+def test_the_interleaved_timetable_runs_every_chunk_once_in_order(S, M, V):
+  """Micro-batch m runs forward through virtual stages 0 .. VS-1 one iteration apart (stage j
+  on device j mod S), its loss in the iteration the last one runs, and backward through them
+  in reverse one iteration apart; a stage runs one chunk at a time, and reads back the slot
+  of its ring that its forward wrote, before the ring comes round to it again."""
+  from partitioner.pipeline import _timetable
+  table, VS = _timetable(S, M, V), V * S
+  T, D = len(table["write"]), 2 * VS - 1
+  fwd, bwd = {}, {}
+  for t in range(T):
+    for s in range(S):
+      u = t - s
+      if 0 <= u < V * M:
+        m, j = u // VS * S + u % S, (u % VS) // S * S + s
+        assert table["forward"][t, s] == j // S
+        fwd[m, j] = t
+      u = t - (VS - 1) - (S - 1 - s)
+      if 0 <= u < V * M:
+        m, j = u // VS * S + u % S, (V - 1 - (u % VS) // S) * S + s
+        assert table["backward"][t, s] == j // S
+        assert table["read"][t, s] == table["write"][fwd[m, j]]   # its own activations
+        assert t - fwd[m, j] < D                                   # not written over since
+        bwd[m, j] = t
+  everything = {(m, j) for m in range(M) for j in range(VS)}
+  assert set(fwd) == set(bwd) == everything
+  for m in range(M):
+    assert all(fwd[m, j + 1] == fwd[m, j] + 1 for j in range(VS - 1))
+    assert all(bwd[m, j - 1] == bwd[m, j] + 1 for j in range(1, VS))
+    assert bwd[m, VS - 1] == fwd[m, VS - 1]                        # the loss, then back
+    t = fwd[m, 0]
+    assert table["enter"][t] and table["in_valid"][t] and table["m_in"][t] == m
+    t = fwd[m, VS - 1]
+    assert table["out_valid"][t] and table["m_out"][t] == m
+    t = bwd[m, 0]
+    assert table["ret_valid"][t] and table["m_ret"][t] == m and table["leave"][t]
+  assert table["in_valid"].sum() == table["out_valid"].sum() == table["ret_valid"].sum() == M
+
+
+@pytest.fixture(scope="module")
+def gpt6():
+  """The corpus GPT with 6 scanned layers and a batch of 16: 2 stages of 3 chunks each."""
+  w = corpus.load("gpt:small,layers=6,scan=true,batch=16")
+  return w.fn, w.args, P.trace(w.fn, *w.args, loops="keep")
+
+
+INTERLEAVED = "Pipeline(stage, microbatches=8, schedule=interleaved, virtual=3)"
+
+
+@pytest.mark.slow   # on the pinned stack only: the lowering is the pipelines' own
+def test_interleaved_stages_verify_composed_with_other_tactics(gpt6):
+  """Stage s holds chunks s, s+2, s+4 of the 6 layers: the stacked weights, their optimizer
+  state and gradients are held with each stage's chunks together, and split over `stage`
+  each stage has its own; each stage's chunk gradients are scatter-added into its rows, held
+  partial over the data axis through the loops of loops and reduced once after them. With
+  data parallelism, Megatron, ZeRO-3 over the data axis and the scatter/gather at once."""
+  fn, args, program = gpt6
+  pp = P.apply(program, "stage=2,batch=2,model=2", f"{INTERLEAVED}; BatchParallel(batch); "
+               "Megatron(model); ZeRO(batch, stage=3); StageScatter(model)")
+  cut = pp.program
+  assert not pp.fallbacks
+  assert [r.length for r in cut.regions if r.parent < 0 and r.num_carry > 4][:3] == [2, 2, 1]
+  assert any(r.parent >= 0 and r.length in (2, 4) for r in cut.regions)   # rounds of loops
+  held = {cut.input_names[k]: str(lay) for k, lay in cut.layouts.items()}
+  stacked = [n for n in cut.input_names if "layer_stack" in n and not n.endswith("count")]
+  assert stacked and all("held by stage" in held[n] for n in stacked)
+  assert all(pp.sharding(n).dims[0] == ("stage",) for n in stacked)
+  assert not [c for c in pp.collectives if "stage" in c.axes and c.kind == "all-gather"]
+  loops = {i for r in cut.regions for i in range(r.enter + 1, r.exit)}
+  assert not [c for c in pp.collectives if c.op in loops and "batch" in c.axes and
+              cut.values[c.value].rank >= 2 and c.kind == "all-reduce"]
+  result = verify(pp, args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
