@@ -105,7 +105,8 @@ def test_flax_nn_scan_train_state_pipelines():
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
 
 
-def test_weights_cast_once_before_the_stack_pipeline():
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_weights_cast_once_before_the_stack_pipeline(schedule):
   """A step that casts its float32 master weights to bf16 once, before the stack (as MaxText
   and Megatron-LM run): the transposed cast of the layers' gradients runs once, after the
   loops, on their sums (it failed to trace under 1F1B before), and the bf16 gradients, summed
@@ -114,7 +115,8 @@ def test_weights_cast_once_before_the_stack_pipeline():
   import jax.numpy as jnp
   fn, args = user_models.scanned_decoder(dtype=jnp.bfloat16)
   program = P.trace(fn, *args, loops="keep")
-  pp = P.apply(program, "stage=2,batch=4", "Pipeline(stage, microbatches=2); BatchParallel(batch)")
+  pp = P.apply(program, "stage=2,batch=4",
+               f"Pipeline(stage, microbatches=2, schedule={schedule}); BatchParallel(batch)")
   result = verify(pp, args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
   loops = {i for r in pp.program.regions for i in range(r.enter + 1, r.exit)}
