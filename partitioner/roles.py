@@ -13,9 +13,8 @@ output factor through the forward pass until another weight contracts it.
 
 from __future__ import annotations
 
-import math
-
 import collections
+import math
 import re
 from typing import NamedTuple
 
