@@ -389,8 +389,8 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
         "",
         "The same tasks, answered by a trained policy as `shardzero propose` answers "
         "(`policy+guard:RUN`: greedy decoding checked against the hand schedules, then "
-        "micro-batches and pipelines at 4 and 8 micro-batches a stage with the policy deciding "
-        "the other axes at 8 and its plan replayed at 4; `python benchmarks/published.py "
+        "micro-batches and pipelines at 8 micro-batches a stage with the policy deciding the "
+        "other axes; `python benchmarks/published.py "
         "--policy policies/default`). Decision time on the machine that ran it (2 cores).",
         "",
         "| model | GPUs | policy plan | policy: predicted s, TFLOP/s, peak | policy / ILP | "

@@ -35,9 +35,9 @@ do not fit (where nothing fits, or where they are faster than the answer) are tr
 with the batch cut into 2, 4, 8... micro-batches (Microbatch: gradient accumulation;
 activations shrink, nothing else changes); the fastest that fits with the fewest is the
 answer if it beats the whole-batch one. Where the step has a scanned layer stack, the program
-is also pipelined over the mesh's outermost axis at 4 and 8 micro-batches a stage, the policy
+is also pipelined over the mesh's outermost axis at 8 micro-batches a stage, the policy
 deciding the other axes, and the pipelining hand schedules (ptd-p) are costed at the same
-counts. Where nothing fits even so, it says so, shows the closest, and exits with status 1.
+count. Where nothing fits even so, it says so, shows the closest, and exits with status 1.
 
 --verify runs the answer on local devices against the unpartitioned program.
 """
