@@ -210,6 +210,16 @@ def schedule(run: Run) -> tuple[str, str]:
           first + "BatchParallel(data); Megatron(model); EmbeddingSharding(model)" + scatter)
 
 
+def priced(run: Run, mesh: str, tactics: str, hardware: str) -> dict:
+  """A plan of `run`'s model and batch, simulated: step, peak, whether it fits, throughput."""
+  pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), mesh, tactics)
+  cost = simulate(pp, hardware)
+  tflops = model_flops(run) / (cost.step_time_s * run.gpus) / 1e12
+  return {"step_time_s": cost.step_time_s, "exposed_comm_s": cost.exposed_comm_s,
+          "compute_s": cost.compute_s, "peak_gib": cost.peak_memory_bytes / GiB,
+          "fits": cost.fits, "tflops": tflops}
+
+
 def interleaved(run: Run, hardware: str) -> dict | None:
   """A row Megatron-LM ran with virtual stages, under the interleaved schedule with its
   published number of them (each stage holding that many chunks of layers)."""
@@ -218,13 +228,10 @@ def interleaved(run: Run, hardware: str) -> dict | None:
   v = run.layers // run.p // run.virtual_layers
   mesh, tactics = schedule(run)
   tactics = tactics.replace("schedule=1f1b", f"schedule=interleaved, virtual={v}")
-  pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), mesh, tactics)
-  cost = simulate(pp, hardware)
-  tflops = model_flops(run) / (cost.step_time_s * run.gpus) / 1e12
-  return {"virtual": v, "tactics": tactics, "step_time_s": cost.step_time_s,
-          "peak_gib": cost.peak_memory_bytes / GiB, "fits": cost.fits,
-          "predicted_tflops": tflops, "ratio": tflops / run.published,
-          "compute_s": cost.compute_s, "exposed_comm_s": cost.exposed_comm_s}
+  got = priced(run, mesh, tactics, hardware)
+  got["predicted_tflops"] = got.pop("tflops")
+  return {"virtual": v, "tactics": tactics, **got,
+          "ratio": got["predicted_tflops"] / run.published}
 
 
 def predict(run: Run, hardware: str) -> dict:
@@ -232,14 +239,11 @@ def predict(run: Run, hardware: str) -> dict:
          "batch": run.batch, "published_tflops": run.published, "source": SOURCE}
   start = time.perf_counter()
   mesh, tactics = schedule(run)
-  pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), mesh, tactics)
-  cost = simulate(pp, hardware)
-  tflops = model_flops(run) / (cost.step_time_s * run.gpus) / 1e12
-  return {**row, "mesh": mesh, "tactics": tactics, "step_time_s": cost.step_time_s,
-          "exposed_comm_s": cost.exposed_comm_s, "peak_gib": cost.peak_memory_bytes / GiB,
-          "fits": cost.fits, "predicted_tflops": tflops, "ratio": tflops / run.published,
-          "compute_s": cost.compute_s, "interleaved": interleaved(run, hardware),
-          "seconds": time.perf_counter() - start}
+  got = priced(run, mesh, tactics, hardware)
+  got["predicted_tflops"] = got.pop("tflops")
+  return {**row, "mesh": mesh, "tactics": tactics, **got,
+          "ratio": got["predicted_tflops"] / run.published,
+          "interleaved": interleaved(run, hardware), "seconds": time.perf_counter() - start}
 
 
 def search(run: Run, hardware: str, agent: str = "ilp:60") -> dict:
@@ -266,11 +270,8 @@ def search(run: Run, hardware: str, agent: str = "ilp:60") -> dict:
 def repriced(run: Run, found: dict, hardware: str) -> dict:
   """A plan `search` found before, priced under the cost model as it is now (a run without
   --ilp keeps the section, and its plans are not searched again)."""
-  pp = P.apply(traced(run.layers, run.hidden, run.heads, run.batch), found["mesh"],
-               found["schedule"])
-  cost = simulate(pp, hardware)
-  return {**found, "step_time_s": cost.step_time_s, "peak_gib": cost.peak_memory_bytes / GiB,
-          "fits": cost.fits, "tflops": model_flops(run) / (cost.step_time_s * run.gpus) / 1e12}
+  got = priced(run, found["mesh"], found["schedule"], hardware)
+  return {**found, **{k: got[k] for k in ("step_time_s", "peak_gib", "fits", "tflops")}}
 
 
 # Published collective bandwidths (nccl-tests, the bus bandwidth of large messages), against the

@@ -734,12 +734,20 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
   loops = []   # (length, stage dim of each carry) of the pipeline's top-level loops, as emitted
   n_accs = sum(d is None for d in bdims)
 
+  def adds_to(backward: bool, ends: bool) -> tuple:
+    """Which of the sums (the stack's accumulators, its weights' gradients, the head's, the
+    tail's, the embedding's) a loop adds to: a loop of forward work only adds to none but the
+    embedding's, one without the ends to none of theirs."""
+    return backward, backward, backward and ends, backward and ends, ends
+
+  # The stage dimension of each sum (per the carry's structure in `step`).
+  sum_dims = ([0] * n_accs, [1] * len(exit_b.outputs[nb:]),
+              [0] * len(head_sums), [0] * len(tail_sums), [None] * len(embed_sums))
+
   def carried(backward: bool, ends: bool) -> tuple:
-    """The stage dimension of each carry of a loop (per the carry's structure in `step`)."""
-    return tuple([0] * nf + [0] * (nb - n_accs) + [0] * len(needed)
-                 + ([0] * n_accs + [1] * len(exit_b.outputs[nb:]) if backward else [])
-                 + ([0] * (len(head_sums) + len(tail_sums)) if backward and ends else [])
-                 + ([None] * len(embed_sums) if ends else []))
+    """The stage dimension of each carry of a loop: its state, then the sums it adds to."""
+    return tuple([0] * (nf + nb - n_accs + len(needed)) + [
+        d for ds, keep in zip(sum_dims, adds_to(backward, ends)) if keep for d in ds])
   zero = lambda x: jnp.zeros((), x.dtype)
 
   def step(*flat):
@@ -871,23 +879,20 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
     ring = [jnp.broadcast_to(k[:, :, None], k.shape[:2] + (D,) + k.shape[2:]).astype(sdt(v))
             for k, v in zip(kept0, kept_f)]
 
-    def sums(backward: bool, ends: bool):
-      """The sums over micro-batches a loop adds to, zeros to begin with: a loop of forward
-      work only adds to none but the embedding's, one without the ends to none of theirs."""
+    def sums():
+      """The sums over micro-batches, zeros to begin with (`adds_to` names them)."""
       per_slot = lambda vs: [jnp.zeros((S,) + values[v].shape, MB.wide(values[v].dtype))
-                             for v in vs] if backward and ends else []
+                             for v in vs]
       return ([jnp.zeros((S,) + svals[v].shape, MB.wide(sdt(v)))
-               for v, d in zip(enter_b.outputs[:nb], bdims) if d is None and backward],
+               for v, d in zip(enter_b.outputs[:nb], bdims) if d is None],
               [jnp.zeros((Lp, S) + values[v].shape[1:], MB.wide(values[v].dtype))
-               for v in exit_b.outputs[nb:] if backward],
+               for v in exit_b.outputs[nb:]],
               per_slot(head_sums), per_slot(tail_sums),
-              [jnp.zeros(values[v].shape, MB.wide(values[v].dtype)) for v in embed_sums
-               if ends])
+              [jnp.zeros(values[v].shape, MB.wide(values[v].dtype)) for v in embed_sums])
 
     def carried_sums(acc, backward: bool, ends: bool):
-      """The sums a loop adds to (`sums`' parts), the others left out."""
-      return tuple(x if keep else [] for x, keep in zip(
-          acc, (backward, backward, backward and ends, backward and ends, ends)))
+      """The sums a loop adds to, the others left out."""
+      return tuple(x if keep else [] for x, keep in zip(acc, adds_to(backward, ends)))
 
     def merged(acc, made_):
       return tuple(y if y else x for x, y in zip(acc, made_))
@@ -928,7 +933,7 @@ def _emit_1f1b(program: Program, small: Program, cut, stack: Stack, S: int, M: i
     # in only some iterations, those repeat every VS iterations: each run of iterations that
     # need them and of those that do not is a loop, and k rounds of them a loop of loops.
     loops.clear()
-    state, acc = (fstate, cts, ring), sums(True, True)
+    state, acc = (fstate, cts, ring), sums()
     for lo, hi, backward in ((0, C, False), (C, T, True)):
       at = lo
       for k, runs in _segments(table["ends"][lo:hi]):
