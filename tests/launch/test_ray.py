@@ -52,6 +52,10 @@ def _running(pid: int) -> bool:
     return False
 
 
+def _learner_log(run_dir) -> str:
+  return (run_dir / "logs" / "learner.log").read_text()
+
+
 def _learner_updates(run_dir) -> int:
   steps = _steps(run_dir)
   return steps[-1] if steps else 0
@@ -83,15 +87,17 @@ def ray_run(tmp_path_factory):
       before = _learner_updates(run_dir)
       _wait(lambda: _learner_updates(run_dir) >= before + 3, "updates after the restarts")
       record["learner_pid"] = _pid(run_dir, "learner")
+      record["log_at_learner_kill"] = len(_learner_log(run_dir))
       os.kill(record["learner_pid"], signal.SIGKILL)
       record["logged_when_killed"] = _learner_updates(run_dir)
       _wait(lambda: err_path.read_text().count("starting it again") >= 3, "the learner restart")
-      _wait(lambda: "resumed at update" in (run_dir / "logs" / "learner.log").read_text()
+      _wait(lambda: "resumed at update" in _learner_log(run_dir)[record["log_at_learner_kill"]:]
             or _learner_updates(run_dir) < record["logged_when_killed"]
             or _learner_updates(run_dir) > record["logged_when_killed"] + 3,
             "the resumed learner")
       resumed = _learner_updates(run_dir)
       _wait(lambda: _learner_updates(run_dir) >= resumed + 3, "updates after the resume")
+      record["log_at_replay_kill"] = len(_learner_log(run_dir))
       os.kill(_pid(run_dir, "replay"), signal.SIGKILL)
       _wait(lambda: "starting the run again on a new server" in err_path.read_text(),
             "the run on a new Reverb server")
@@ -135,7 +141,9 @@ def test_a_killed_actor_process_and_a_lost_ray_worker_are_started_again(ray_run)
 def test_a_killed_learner_resumes_from_its_checkpoint(ray_run):
   run_dir, record = ray_run
   assert "the learner process was killed by SIGKILL; starting it again (1 of 3)" in record["err"]
-  log = (run_dir / "logs" / "learner.log").read_text()
+  # What the learner printed after it was killed and before the Reverb server was (whose
+  # replacement starts the learner again too, from a later checkpoint).
+  log = _learner_log(run_dir)[record["log_at_learner_kill"]:record["log_at_replay_kill"]]
   match = re.search(r"resumed at update (\d+)", log)
   if match:          # updates past the checkpoint were lost, at most the interval
     assert 0 <= record["logged_when_killed"] - int(match.group(1)) <= EVERY
