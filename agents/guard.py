@@ -11,9 +11,11 @@ what fits before what does not, then the fastest. The policy wins ties.
 
 `fit_with_microbatches` then cuts the batch of the fastest plans that do not fit into
 micro-batches (`partitioner.Microbatch`), which shrinks activations and leaves the rest of a
-plan as it is: where nothing fits, or where a plan faster than the answer fits so. It also
-costs the pipelined hand schedules, which stream micro-batches through stages and which the
-environment cannot play.
+plan as it is: where nothing fits, or where a plan faster than the answer fits so (the
+environment's own cuts end an episode: the policy's line may end cut already, and the hand
+schedules are cut here, at more counts than the environment offers). It also costs the
+pipelined hand schedules, which stream micro-batches through stages and which the environment
+cannot play.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   program = load_program(ctx.task.model)
   best = None
   for name, schedule, _, _, peak, arguments in candidates[:plans]:
-    tactics = parse_schedule(schedule)
+    tactics = [t for t in parse_schedule(schedule) if not isinstance(t, Microbatch)]
     k = _first_count(peak, arguments, ctx.budget)
     while k is not None and k <= largest:
       try:
@@ -183,8 +185,11 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   limit = faster_than if best is None else min(faster_than, best.cost.step_time_s)
   hand = [(h.name, h.schedule) for h in guarded.hand
           if h.cost is None and h.schedule.startswith("Pipeline(")]
+  # Not interleaved: each try emits the pipeline again (0.6-1.6 s at Megatron-LM's sizes), where
+  # a policy answers in under two seconds and interleaving gains a few percent at best.
   staged = pipelined(program, ctx.mesh, ctx.task.hardware, ctx.budget, decide, solver,
-                     base="policy", hand=hand, per_stage=per_stage, decide_each=False)
+                     base="policy", hand=hand, per_stage=per_stage, decide_each=False,
+                     virtual=())
   if staged is not None and staged.cost.peak_memory_bytes <= ctx.budget and \
       staged.cost.step_time_s < limit:
     best = Microbatched(staged.k, staged.base, staged.pp, staged.cost)

@@ -7,9 +7,10 @@ the program is pipelined over the mesh's outermost axis at a few micro-batch cou
 agent decides the other axes of each (`Auto` over them: a search agent, or a trained policy
 checked against the hand schedules by `launch.auto.solve`), and the hand schedules that
 pipeline (`ptd-p`, `pp+dp`) are costed at the same counts; each of those plans also with its
-hand-overs split over the innermost axis (`StageScatter`). The best of those wins where it
-beats the episode's plan by the one rule (`corpus.experts.preference`: what fits first, then
-the fastest).
+hand-overs split over the innermost axis (`StageScatter`). The best of those is tried again
+with interleaved stages (`VIRTUAL` chunks a device: a smaller bubble for more hand-overs and a
+gather of each chunk's weights). The best of all wins where it beats the episode's plan by the
+one rule (`corpus.experts.preference`: what fits first, then the fastest).
 
 Which micro-batch counts: those that divide the batch, nearest 2, 4, 8 and 16 a stage
 (`PER_STAGE`; fewer for the agents that must answer in seconds), preferring those whose
@@ -27,6 +28,7 @@ from corpus.experts import preference
 from partitioner.errors import ShardzeroError
 
 PER_STAGE = (2, 4, 8, 16)   # micro-batches per stage tried by default
+VIRTUAL = (2, 3)            # chunks a device the best 1F1B plan is tried interleaved with
 
 
 class Pipelined(NamedTuple):
@@ -68,15 +70,16 @@ def _with_count(schedule, m: int) -> list:
 def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], object] | None,
               solver=None, *, base: str = "agent", hand: Sequence[tuple[str, str]] = (),
               per_stage: Sequence[int] = PER_STAGE, beat=None,
-              decide_each: bool = True) -> Pipelined | None:
+              decide_each: bool = True, virtual: Sequence[int] = VIRTUAL) -> Pipelined | None:
   """The best plan that pipelines `program` over `mesh`'s outermost axis: for each
   micro-batch count, `decide(rest)` (an `Auto` tactic over the other axes, applied with
   `solver`) and each pipelining hand schedule of `hand` ((name, schedule) pairs). With
   `decide_each` False, `decide` runs once, at the most micro-batches (the smallest bubble,
   which wins most often), and what it chose is replayed at the other counts: the other axes'
   plan hardly depends on the micro-batch's size, and an agent that must answer in seconds
-  cannot decide at each. Only one that beats `beat` (a CostReport; None: anything) by
-  `preference` counts. None where the program has no scanned layer stack, the mesh one axis,
+  cannot decide at each. The best is then replayed interleaved with each of `virtual` chunks a
+  device (where the stages divide its micro-batches and the layers divide into the chunks).
+  Only one that beats `beat` (a CostReport; None: anything) by `preference` counts. None where the program has no scanned layer stack, the mesh one axis,
   or nothing beats `beat`."""
   from partitioner.cost import simulate
   from partitioner.microbatch import batch_inputs
@@ -117,6 +120,16 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
         cost = simulate(plan, hardware)
         if best_key is None or standing(cost) < best_key:
           best, best_key = Pipelined(m, name, plan, cost, plan.decided), standing(cost)
+  for v in (virtual if best is not None else ()):
+    tactics = [dataclasses.replace(t, schedule="interleaved", virtual=v)
+               if isinstance(t, Pipeline) else t for t in parse_schedule(best.schedule)]
+    try:
+      plan = PartitionedProgram(program, mesh).apply(tactics)
+    except ShardzeroError:   # the stages do not divide the micro-batches, or the chunks the layers
+      continue
+    cost = simulate(plan, hardware)
+    if standing(cost) < best_key:
+      best, best_key = best._replace(pp=plan, cost=cost, schedule=plan.decided), standing(cost)
   return best
 
 

@@ -16,9 +16,8 @@ Each row runs at the configuration of the paper's own scripts (`examples/sc21/ru
 in NVIDIA/Megatron-LM): each data-parallel rank streams its batch in micro-batches of the
 published size (`Microbatch`, or the pipeline's own), and pipelined rows (p > 1) use
 `Pipeline(pipe, stages=p, microbatches=m, schedule=1f1b)` over the outermost mesh axis. The
-paper ran the 76B to 530B rows with interleaved (virtual) stages, which are not built: they
-are predicted with 1F1B's bubble, (p-1)/(m+p-1), larger than the interleaved one by the
-number of virtual stages. Writes docs/published.json and its table into docs/validation.md
+paper ran the 76B to 530B rows with interleaved (virtual) stages: the table keeps 1F1B, and a
+second table prices those rows under `schedule=interleaved` with the published V. Writes docs/published.json and its table into docs/validation.md
 (between the `published` markers; `validate_cost_model.py` keeps it).
 
   python benchmarks/published.py            # a minute: scanned stacks trace once

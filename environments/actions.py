@@ -1,10 +1,16 @@
-"""The action space of a task: tile a decision point, apply a manual tactic, or finish.
+"""The action space of a task: tile a decision point, apply a manual tactic, cut the batch
+into micro-batches (which ends the episode), or finish.
 
 A decision point is a set of function inputs that one tactic would treat alike: the same
 parameter in every layer (`params/gpt/layer_*/attn/query/w`), the optimizer state of those
 parameters (`opt_state/**/layer_*/attn/query/w`), a data input. Tiling one shards a whole
 role at once, and its glob pattern is exactly its members, so the action is written as a
 `Tile` tactic that `shardzero partition --tactics` replays.
+
+`Microbatch(k)` rewrites the program the tactics shard, so it comes first in a schedule; as an
+action it comes last: it ends the episode with the plan so far replayed on the step cut into
+k micro-batches. Plans that do not fit for their activations fit so, and where no plan of the
+whole batch fits (a 7B model at one sequence a device), it is the only answer that does.
 """
 
 from __future__ import annotations
@@ -13,16 +19,18 @@ import re
 from typing import NamedTuple, Sequence
 
 from partitioner import roles as R
+from partitioner.errors import ShardzeroError
 from partitioner.ir import Program
 from partitioner.mesh import Mesh
 from partitioner.propagation import ShardingState
 from partitioner.tactics import (BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 SequenceParallel, Tactic, Tile, ZeRO, tactic_problem)
+                                 Microbatch, SequenceParallel, Tactic, Tile, ZeRO, tactic_problem)
 
 ROLES = ("param", "opt", "data")
 # The manual tactics an agent may apply, per mesh axis; the action feature `kind` indexes this.
 TACTIC_KINDS = ("tile", "BatchParallel", "Megatron", "ZeRO", "EmbeddingSharding",
-                "ExpertParallel", "SequenceParallel", "finish")
+                "ExpertParallel", "SequenceParallel", "Microbatch", "finish")
+MICROBATCHES = (2, 4, 8, 16)   # the micro-batch counts an episode may end with
 
 
 class DecisionPoint(NamedTuple):
@@ -100,11 +108,47 @@ def manual_tactics(mesh: Mesh) -> list[tuple[str, Tactic]]:
   return out
 
 
+class BatchCut(NamedTuple):
+  """What cutting a program's batch depends on: the data inputs it splits and the batch
+  size."""
+  inputs: tuple[int, ...]
+  size: int
+
+
+def batch_cut(program: Program) -> BatchCut | None:
+  """The program's batch as `Microbatch` cuts it; None where it cannot be cut as far as its
+  dataflow tells (`partitioner.microbatch.cuttable`: no data input, a batch statistic, not
+  traced from a function, cut or pipelined already)."""
+  from partitioner.microbatch import batch_inputs, cuttable
+  try:
+    picked, n = batch_inputs(program, 1, "Microbatch")
+  except ShardzeroError:
+    return None
+  k = next((k for k in MICROBATCHES if n % k == 0), None)
+  if k is None or cuttable(program, k) is not None:
+    return None
+  return BatchCut(tuple(picked), n)
+
+
+def microbatch_problem(cut: BatchCut | None, k: int) -> str | None:
+  """Why cutting the batch into `k` micro-batches is not allowed (None if it is): each
+  micro-batch must hold two examples or more (a step traced at one often traces differently:
+  a squeezed dimension). Whether the plan so far replays on the cut step is not asked here: a
+  tactic may mean something else there (`BatchParallel` over an axis the micro-batch does not
+  divide over splits the sequence instead), and a plan that does not replay ends uncut."""
+  if cut is None:
+    return "the step's batch cannot be cut into micro-batches"
+  if cut.size % k or cut.size // k < 2:
+    return f"a batch of {cut.size} does not divide into {k} micro-batches of two or more"
+  return None
+
+
 def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
-                 axes: Sequence[str] | None = None) -> list[Action]:
+                 axes: Sequence[str] | None = None, cuts: bool = True) -> list[Action]:
   """Every action of a task over `axes` (default: all): the tiles that divide, the manual
-  tactics that apply to the unpartitioned program (one that does not never will), and finish
-  (last)."""
+  tactics that apply to the unpartitioned program (one that does not never will), with `cuts`
+  the micro-batch counts that divide the batch (not for a sub-problem over some axes or from
+  a partitioned start: it cannot rewrite the program it starts from), and finish (last)."""
   sizes = mesh.sizes
   axes = mesh.names if axes is None else tuple(axes)
   actions = []
@@ -117,6 +161,9 @@ def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
   for kind, tactic in manual_tactics(mesh):
     if tactic.axis in axes and sizes[tactic.axis] > 1 and tactic_problem(tactic, root, 0) is None:
       actions.append(Action(kind, tactic, axis=tactic.axis))
+  cut = batch_cut(program) if cuts and set(axes) == set(mesh.names) else None
+  actions += [Action("Microbatch", Microbatch(k)) for k in MICROBATCHES
+              if microbatch_problem(cut, k) is None]
   actions.append(Action("finish", None))
   return actions
 

@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from dm_env import specs
 
-from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint
+from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint, batch_cut
 from partitioner import roles as R
 from partitioner.cost.compute import REDUCTIONS, OpWork, op_work
 from partitioner.cost.hardware import Hardware
@@ -31,7 +31,8 @@ MAX_AXES = 4      # mesh axes an observation can describe
 # (`learners.policies.load_policy` checks the run's). Bump it when a feature changes.
 # 3: mesh axes take slots by where they land (`Placement.slots`), not by their written order,
 # and each slot says how many nodes its axis spans.
-OBSERVATION_VERSION = 3
+# 4: `Microbatch` actions (a kind and their count) and the inputs' share of the budget.
+OBSERVATION_VERSION = 4
 
 # Node kind ids, fixed: 0 padding, 1 an input, 2 a primitive not in the table, then the table
 # in order. New primitives are appended (the test of the table fails until they are), so the
@@ -68,12 +69,13 @@ SHARDING_FEATURES = MAX_RANK * MAX_AXES + 1
 
 class ActionColumns:
   """Where each feature of an action row lies: the kind one-hot (`TACTIC_KINDS`), ZeRO's stage,
-  the axis' slot one-hot, its size and the nodes it spans, the dimension one-hot and its size,
-  and the tiled values' bytes by role, their total, their count and their share of all
-  inputs."""
+  the micro-batch count, the axis' slot one-hot, its size and the nodes it spans, the
+  dimension one-hot and its size, and the tiled (or cut) values' bytes by role, their total,
+  their count and their share of all inputs."""
   KIND = slice(0, len(TACTIC_KINDS))
   STAGE = len(TACTIC_KINDS)
-  AXIS = STAGE + 1                       # MAX_AXES one-hot, then the axis size and nodes
+  MICROBATCHES = STAGE + 1
+  AXIS = MICROBATCHES + 1                # MAX_AXES one-hot, then the axis size and nodes
   AXIS_SIZE = AXIS + MAX_AXES
   AXIS_NODES = AXIS_SIZE + 1
   DIM = AXIS_NODES + 1                   # MAX_RANK one-hot, then the dimension's size
@@ -86,9 +88,10 @@ class ActionColumns:
 
 
 def is_manual_tactic(actions: np.ndarray) -> np.ndarray:
-  """Per action row, whether it applies a manual tactic (neither a tile nor finish)."""
+  """Per action row, whether it applies a manual tactic (neither a tile, a cut into
+  micro-batches nor finish)."""
   kinds = actions[..., ActionColumns.KIND]
-  manual = [i for i, k in enumerate(TACTIC_KINDS) if k not in ("tile", "finish")]
+  manual = [i for i, k in enumerate(TACTIC_KINDS) if k not in ("tile", "Microbatch", "finish")]
   return kinds[..., manual].sum(-1) > 0
 
 
@@ -97,7 +100,7 @@ PROGRAM_FEATURES = 13
 SHARED_FEATURES = len(ROLES) * MAX_AXES
 # What changes with every step (`dynamic_features`), in this order.
 DYNAMIC_FEATURES = ("peak_over_budget", "log_budget", "step_time", "compute", "comm",
-                    "exposed_comm", "progress", "fits")
+                    "exposed_comm", "progress", "fits", "inputs_over_budget")
 MESH_FEATURES = 2 * MAX_AXES + 1 + 7     # per slot: size and nodes; devices; the hardware
 GLOBAL_FEATURES = MESH_FEATURES + PROGRAM_FEATURES + SHARED_FEATURES + len(DYNAMIC_FEATURES)
 TOUCHED = 8       # values of an action's footprint the network reads (spread over all of them)
@@ -173,12 +176,14 @@ def observation_spec(sizes: Sizes) -> dict:
 def dynamic_features(cost, start_step_time_s: float, budget: int, progress: float) -> np.ndarray:
   """`DYNAMIC_FEATURES` of a state: its peak memory over the budget (capped at 4), the budget,
   its step time and its parts relative to the unpartitioned step's, the share of the episode's
-  steps taken, and whether it fits."""
+  steps taken, whether it fits, and its inputs' bytes (parameters, optimizer state, batch)
+  over the budget (capped at 4): what of the peak cutting the batch into micro-batches does
+  not shrink."""
   c0 = start_step_time_s
   return np.array([min(cost.peak_memory_bytes / budget, 4.0), np.log2(budget + 1) / 40,
                    cost.step_time_s / c0, cost.compute_s / c0, cost.comm_s / c0,
-                   cost.exposed_comm_s / c0, progress, float(cost.peak_memory_bytes <= budget)],
-                  np.float32)
+                   cost.exposed_comm_s / c0, progress, float(cost.peak_memory_bytes <= budget),
+                   min(cost.memory.argument_bytes / budget, 4.0)], np.float32)
 
 
 def program_features(program: Program, work: list[OpWork], roles) -> np.ndarray:
@@ -267,7 +272,9 @@ class StaticGraph:
     # footprint on the unpartitioned program. The network reads up to TOUCHED of them, spread
     # evenly, and the features give their bytes by role.
     self.footprints = {i: tactic_footprint(action.tactic, program, mesh)
-                       for i, action in enumerate(actions) if action.kind not in ("tile", "finish")}
+                       for i, action in enumerate(actions)
+                       if action.kind not in ("tile", "Microbatch", "finish")}
+    cut = batch_cut(program) if any(a.kind == "Microbatch" for a in actions) else None
     all_bytes = max(sum(values[v].nbytes for v in role), 1)
     act = np.zeros((a, ACTION_FEATURES), np.float32)
     touched = np.zeros((a, TOUCHED), np.int32)
@@ -278,6 +285,8 @@ class StaticGraph:
       row[C.KIND.start + TACTIC_KINDS.index(action.kind)] = 1
       if action.kind == "ZeRO":
         row[C.STAGE] = action.tactic.stage / 3
+      if action.kind == "Microbatch":
+        row[C.MICROBATCHES] = math.log2(action.tactic.k) / 6
       if action.axis is not None:
         row[C.AXIS + self.axis_index[action.axis]] = 1
         row[C.AXIS_SIZE] = _log(mesh.size(action.axis), 12)
@@ -287,6 +296,8 @@ class StaticGraph:
         row[C.DIM + min(action.dim, MAX_RANK - 1)] = 1
         row[C.DIM_SIZE] = _log(point.shape[action.dim], 20)
         members = sorted(point.members)
+      elif action.kind == "Microbatch":   # the inputs it cuts
+        members = sorted(cut.inputs)
       else:   # the inputs it tiles (their updated outputs follow them)
         members = sorted(v for v in self.footprints.get(i, ()) if v in role)
       if not members:

@@ -77,7 +77,8 @@ class TaskContext:
     self.simulator = Simulator(program, mesh, self.hardware, folding=self.folding)
     self.points: list[DecisionPoint] = decision_points(program)
     self.axes = tuple(a for a in mesh.names if axes is None or a in axes)   # what it acts over
-    self.actions: list[Action] = action_space(program, mesh, self.points, axes)
+    self.actions: list[Action] = action_space(program, mesh, self.points, axes,
+                                              cuts=start is None)
     self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
     self.finish = len(self.actions) - 1
     self.index = {str(a): i for i, a in enumerate(self.actions)}
@@ -91,9 +92,10 @@ class TaskContext:
             self._tiles_of[v].append(i)
     self._tiles = [i for i, a in enumerate(self.actions) if a.kind == "tile"]
     self._others = [i for i, a in enumerate(self.actions) if a.kind != "tile"]
-    # Per manual tactic but ZeRO: the values whose sharding its legality depends on.
+    # Per manual tactic but ZeRO and Microbatch: the values whose sharding its legality depends
+    # on.
     self._footprint = {i: fp for i, fp in self.graph.footprints.items()
-                       if self.actions[i].kind != "ZeRO"}
+                       if self.actions[i].kind not in ("ZeRO", "Microbatch")}
     self._hash = ZobristHash()
     self.states = StateCache(cache_size)
     self.root = self._make(start if start is not None else PartitionedProgram(program, mesh), None)
@@ -103,9 +105,40 @@ class TaskContext:
     """The state after `history` (whose last action is applied to `parent`)."""
     info = self.states.get(history)
     if info is None:
-      info = self._make(parent.pp.apply(self.actions[history[-1]].tactic), parent)
+      action = self.actions[history[-1]]
+      if action.kind == "Microbatch":
+        info = self._microbatched(parent, action.tactic)
+      else:
+        info = self._make(parent.pp.apply(action.tactic), parent)
       self.states.put(history, info)
     return info
+
+  def _microbatched(self, parent: StateInfo, tactic) -> StateInfo:
+    """The last state of an episode that ends cutting the batch: `parent`'s schedule after
+    `tactic` on the task's own program (a folded program's layers do not fold once cut: the
+    loop's carries differ from depth to depth), simulated whole. Only finish is legal after
+    it; its observation is `parent`'s shardings with its own cost.
+
+    Where the schedule does not apply to the cut step (propagation can reach further through
+    the loop, so that a later tile conflicts; or the step traces differently at a micro-batch's
+    size), the episode ends as finish would: `parent` itself, uncut. Which plans replay so is
+    known only by replaying them, too dear for every state's mask."""
+    from partitioner.cost import simulate
+    mask = np.zeros(self.graph.sizes.actions, bool)
+    mask[self.finish] = True
+    try:
+      pp = PartitionedProgram(self.whole_program(), self.mesh).apply(
+          (tactic,) + parent.pp.schedule)
+    except ShardzeroError as e:
+      return parent._replace(mask=mask, problems={-1: f"{tactic} does not apply: {e}"},
+                             key=hash((parent.key, "uncut")))
+    return StateInfo(pp, simulate(pp, self.hardware), mask, parent.sharding, {},
+                     hash((parent.key, str(tactic))), parent.layout, parent.terms)
+
+  def whole_program(self):
+    """The task's own program: what the episode plays on, unless folded (`start`: a
+    sub-problem's)."""
+    return self.program if self.folding is None else load_program(self.task.model)
 
   def _make(self, pp: PartitionedProgram, parent: StateInfo | None) -> StateInfo:
     state = pp.state
@@ -148,6 +181,8 @@ class TaskContext:
       action = self.actions[i]
       if action.kind == "finish":
         mask[i] = True
+      elif action.kind == "Microbatch":   # legal from the start (its count divides the batch)
+        mask[i] = True
       elif action.kind == "ZeRO":
         mask[i] = action.axis not in zero_axes
       elif action.tactic in applied:
@@ -157,14 +192,17 @@ class TaskContext:
     return mask
 
   def unfolded(self, pp: PartitionedProgram) -> PartitionedProgram:
-    """`pp`'s schedule applied to the task's own program (`pp` itself unless folded)."""
-    if self.folding is None:
+    """`pp`'s schedule applied to the task's own program (`pp` itself unless folded, or cut
+    into micro-batches: that is played on the task's own program)."""
+    if self.folding is None or pp.program is not self.program:
       return pp
     return PartitionedProgram(load_program(self.task.model), self.mesh).apply(pp.schedule)
 
   def exact_cost(self, pp: PartitionedProgram):
     """The simulated cost of `pp`'s schedule on the task's own program."""
     from partitioner.cost import simulate
+    if pp.program is not self.program:   # cut into micro-batches: simulated whole
+      return simulate(pp, self.hardware)
     return simulate(self.unfolded(pp), self.task.hardware) if self.folding else self.simulator(pp)
 
   def with_budget(self, task: Task) -> "TaskContext":
@@ -182,7 +220,10 @@ class TaskContext:
     """Why action `index` is masked in `info`."""
     if index not in info.problems:
       action, pp = self.actions[index], info.pp
-      if action.kind == "tile":
+      if pp.program is not self.program or -1 in info.problems:
+        why = ("the episode ended cutting the batch into micro-batches" +
+               (f" ({info.problems[-1]}: it ends as finish would)" if -1 in info.problems else ""))
+      elif action.kind == "tile":
         why = tile_problem(pp.state, self.points[action.point], action.dim, action.axis)
       elif action.kind == "ZeRO":
         why = f"ZeRO over {action.axis!r} was applied already"
@@ -318,7 +359,8 @@ class PartitioningEnv(dm_env.Environment):
     """The CostReport of the current schedule on the task's own program: `cost`, unless the
     task is played folded (then a simulation of the whole program)."""
     ctx, info = self._context(), self._state()
-    return info.cost if ctx.folding is None else ctx.exact_cost(info.pp)
+    return info.cost if ctx.folding is None or info.pp.program is not ctx.program else \
+        ctx.exact_cost(info.pp)
 
   @property
   def history(self) -> tuple[int, ...]:

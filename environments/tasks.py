@@ -188,10 +188,14 @@ def smallest_expert_peak(task: Task) -> int | None:
 
 def tight_budget(task: Task, fraction: float) -> int:
   """`fraction` of the way from the smallest expert peak (0) to the data-parallel peak (1);
-  of the data-parallel peak alone where no expert strategy is known."""
+  of the data-parallel peak alone where no expert strategy is known. A fraction below 0 (down
+  to -1) goes from the smallest expert peak toward nothing: no plan of the whole batch fits,
+  and the answer is one whose batch is cut into micro-batches."""
   high, low = data_parallel_peak(task), smallest_expert_peak(task)
   if low is None or low >= high:
-    return max(1, int(fraction * high))
+    return max(1, int((fraction if fraction > 0 else 1 + fraction) * high))
+  if fraction < 0:
+    return max(1, int((1 + fraction) * low))
   return max(1, int(low + fraction * (high - low)))
 
 
@@ -222,8 +226,8 @@ class TaskDistribution:
     if not self.models or not self.meshes or not self.hardware or not self.budget_fractions:
       raise WorkloadError("a task distribution needs models, meshes, hardware and budgets")
     for f in self.budget_fractions:
-      if f is not None and not 0 < f:
-        raise WorkloadError(f"budget fractions must be positive, got {f}")
+      if f is not None and not -1 < f != 0:
+        raise WorkloadError(f"budget fractions are above -1 and not 0, got {f}")
     if self.batch_per_device is not None and self.batch_per_device < 1:
       raise WorkloadError(f"batch_per_device must be positive, got {self.batch_per_device}")
 

@@ -21,8 +21,8 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 6, "random": 1, "greedy": 2, "beam": 2, "mcts": 2, "ilp": 8,
-                  "policy": 4, "policy+mcts": 4, "policy+guard": 4, "policy+mcts+guard": 4}
+AGENT_VERSIONS = {"expert": 7, "random": 1, "greedy": 3, "beam": 3, "mcts": 3, "ilp": 9,
+                  "policy": 5, "policy+mcts": 5, "policy+guard": 5, "policy+mcts+guard": 5}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
                   "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"

@@ -103,6 +103,10 @@ def add_parser(sub) -> None:
   p.add_argument("--batch-per-device", type=int, help="weak scaling: each training and "
                  "evaluation model's batch is this many examples per device of its mesh "
                  "(default: the batch its spec or preset names)")
+  p.add_argument("--budgets", help="memory budgets of the training tasks separated by ',': "
+                 "device (the device's memory) or a fraction from the smallest peak an expert "
+                 "strategy reaches (0) to data parallelism's (1); below 0, down to -1, toward "
+                 "nothing, where only plans cut into micro-batches fit; default device,0.5")
   p.add_argument("--max-steps", type=int, help="actions per episode; default 12")
   p.add_argument("--checkpoint-every", type=int, help="updates between checkpoints; default 1")
   p.add_argument("--eval-every", type=float, help="seconds between evaluations; default 60")
@@ -141,6 +145,17 @@ def _parse_value(text: str):
     return text
 
 
+def _budget(text: str) -> float | None:
+  from partitioner.errors import ShardzeroError
+  text = text.strip()
+  if text == "device":
+    return None
+  try:
+    return float(text)
+  except ValueError:
+    raise ShardzeroError(f"--budgets takes 'device' or fractions, got {text!r}") from None
+
+
 def make_config(args):
   import corpus
   from learners.run_config import RunConfig
@@ -165,6 +180,8 @@ def make_config(args):
     text = getattr(args, name)
     if text:
       changes[name] = tuple(m.strip() for m in text.split(";") if m.strip())
+  if args.budgets:
+    changes["budget_fractions"] = tuple(_budget(b) for b in args.budgets.split(",") if b.strip())
   if args.resume and "algorithm" in changes and changes["algorithm"] != config.algorithm:
     raise ShardzeroError(f"{args.run_dir} was trained with {config.algorithm}")
   settings = dict(config.settings)
@@ -183,6 +200,7 @@ def make_config(args):
     Mesh.parse(mesh)
   for model in config.models + config.heldout:
     corpus.parse(model)     # an unknown family, preset or knob fails before any process starts
+  config.train_tasks()      # so does a budget fraction out of range
   return config
 
 

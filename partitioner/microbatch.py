@@ -172,10 +172,36 @@ def retrace_small(program: Program, picked: list[int], n: int, k: int, what: str
   return small
 
 
-def cut_step(program: Program, k: int, what: str = "") -> tuple[Cut, Program]:
-  """Where the step is cut into `k` micro-batches, and the step traced at a micro-batch's size;
-  `what` names the tactic in refusals."""
-  what = what or f"Microbatch({k})"
+class _Parts(NamedTuple):
+  """Which ops run per micro-batch (`body`), before the loop and after it, found from the
+  dataflow at the full batch."""
+  picked: list
+  n: int
+  example: list
+  partial: dict
+  body: frozenset
+  pre: frozenset
+  post: frozenset
+
+
+def cuttable(program: Program, k: int) -> str | None:
+  """Why the step cannot be cut into `k` micro-batches, as far as its dataflow tells without
+  tracing it again at a micro-batch's size (a batch statistic, random numbers drawn per
+  example, a batch that does not divide); None where nothing does. A step whose code fixes the
+  batch size is found only when traced again (`microbatch`)."""
+  if program.microbatches > 1 or program.stages > 1:
+    return "the program is cut into micro-batches or pipeline stages already"
+  if program.source is None:
+    return "the program was not traced from a function, so it cannot be traced again"
+  try:
+    _parts(program, k, f"Microbatch({k})")
+  except (ScheduleError, WorkloadError) as e:
+    return str(e)
+  return None
+
+
+@per_program
+def _parts(program: Program, k: int, what: str) -> _Parts:
   picked, n = batch_inputs(program, k, what)
   values, ops = program.values, program.ops
   example, data, partial, nonlinear, plan = batch_sums(program, tuple(picked), k)
@@ -256,7 +282,16 @@ def cut_step(program: Program, k: int, what: str = "") -> tuple[Cut, Program]:
     _close_regions(program, grown)
     stack.extend(grown - pre)
   post = frozenset(range(len(ops))) - body - pre
+  return _Parts(picked, n, example, partial, frozenset(body), frozenset(pre), post)
 
+
+def cut_step(program: Program, k: int, what: str = "") -> tuple[Cut, Program]:
+  """Where the step is cut into `k` micro-batches, and the step traced at a micro-batch's size;
+  `what` names the tactic in refusals."""
+  what = what or f"Microbatch({k})"
+  picked, n, example, partial, body, pre, post = _parts(program, k, what)
+  values, ops, describe = program.values, program.ops, program.name
+  producer = [v.producer for v in values]
   small = retrace_small(program, picked, n, k, what)
   svals = small.values
 

@@ -4,8 +4,8 @@ The corpus' expert strategies are what a policy should at least rediscover. A de
 the best known strategy for a task, then finish, each step's target one-hot on its action and
 its value target the return to go: the AlphaZero-style learner's replay items, so the same
 loss clones it (pretraining) or mixes demonstrations into search data. The best known strategy
-is the best expert's, or, with `simulations`, what a plain MCTS of that many simulations finds
-where it scores higher: on about half the training tasks search beats every expert (an MLP
+is the best expert's (cut into micro-batches where only so it fits), or, with `simulations`,
+what a plain MCTS of that many simulations finds where it scores higher: on about half the training tasks search beats every expert (an MLP
 wants its batch axis for Megatron, a small ResNet one axis of data parallelism), and cloning
 only the experts teaches those weaker strategies.
 """
@@ -21,15 +21,15 @@ from partitioner.errors import ShardzeroError
 
 
 def _best_expert(env) -> tuple[list[int], float]:
-  """The best expert's actions (without finish) and score, or ([], -inf)."""
-  from agents.search.expert import best_expert, evaluate_experts
+  """The expert agent's actions (without finish; where no expert plan fits, the fastest cut
+  into micro-batches where that fits) and score, or ([], -inf)."""
+  from agents.search.expert import ExpertActor
   try:
-    best = best_expert(evaluate_experts(env))
+    plan = ExpertActor(env).plan(env.clone())
   except ShardzeroError:
     return [], -np.inf
-  if best is None or not best.actions:
-    return [], -np.inf
-  return list(best.actions), best.score
+  moves = [a for a in plan.actions if a != env.finish_action]
+  return (moves, plan.score) if moves else ([], -np.inf)
 
 
 PRUNE_TOLERANCE = 2e-3   # a searched move worth less than this share of the step is dropped
@@ -71,7 +71,8 @@ def demonstration_moves(env, simulations: int = 0) -> list[int]:
                              plan.score)
   if not moves or score <= env.score():
     return []
-  return [*moves, env.finish_action]
+  cut = env.action_name(moves[-1]).startswith("Microbatch(")   # it ends the episode itself
+  return moves if cut else [*moves, env.finish_action]
 
 
 def demonstration_items(tasks: Sequence, sizes, env_config, log=print,

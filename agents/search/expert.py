@@ -1,12 +1,13 @@
 """The expert agent: plays the best of the corpus' expert strategies for the task (the generic
-hand schedules for a program of no corpus family)."""
+hand schedules for a program of no corpus family); where none fits, the fastest cut into
+micro-batches where that fits."""
 
 from __future__ import annotations
 
 import time
 from typing import NamedTuple
 
-from agents.search.planning import Plan, PlanningActor
+from agents.search.planning import Plan, PlanningActor, cut_if_over
 from corpus.experts import best as best_of
 from corpus.experts import evaluate_experts as evaluate_schedules
 from environments.protocols import SearchEnvironment
@@ -76,5 +77,23 @@ class ExpertActor(PlanningActor):
       raise ShardzeroError(f"no expert strategy applies to {env.task}: "
                            + "; ".join(f"{r.name}: {r.error}" for r in results))
     sims = sum(len(r.actions) for r in results)
-    return Plan(best.actions + (env.finish_action,), best.score, sims,
+    # Where the best is over the budget, it and the fastest others over it end cut into
+    # micro-batches where that fits (as `agents.guard.fit_with_microbatches` cuts them).
+    over = [] if best.fits else sorted((r for r in results if r.cost is not None and not r.fits),
+                                       key=lambda r: r.cost.step_time_s)[:CUT_TRIES]
+    lines = []
+    for r in [best] + [r for r in over if r is not best]:
+      line = env.clone()
+      for a in r.actions:
+        line.step(a)
+      cut = cut_if_over(line)
+      for a in cut:
+        line.step(a)
+      sims += len(cut)
+      lines.append((line.score(), -len(lines), r.actions + cut, line))
+    score, _, actions, line = max(lines)
+    return Plan(actions + (() if line.done else (line.finish_action,)), score, sims,
                 time.perf_counter() - start)
+
+
+CUT_TRIES = 3   # the fastest expert plans over the budget the expert agent cuts

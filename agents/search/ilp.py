@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from agents.search.planning import Plan, PlanningActor
+from agents.search.planning import Plan, PlanningActor, cut_if_over
 from environments.protocols import SearchEnvironment
 
 CANDIDATES = 32      # actions given a variable (see `_candidates`)
@@ -80,7 +80,10 @@ class ILPActor(PlanningActor):
     self.solution = solve(env, self.time_limit_s, self.manual, self.rounds)
     for a in self.solution.actions:
       env.step(a)
-    actions = self.solution.actions + ((env.finish_action,) if not env.done else ())
+    cut = cut_if_over(env)
+    for a in cut:
+      env.step(a)
+    actions = self.solution.actions + cut + ((env.finish_action,) if not env.done else ())
     return Plan(actions, env.score(), self.solution.simulations, 0.0)
 
 
@@ -173,8 +176,11 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
   ctx, budget = env.context, env.context.budget
   steps_left = env.config.max_steps - len(env.history)
   t0, m0 = _serial(env.cost), _memory(env.cost)
+  # Not `Microbatch`: it ends the episode, so it composes with nothing after it (the plan
+  # ends cut where it is over the budget: `ILPActor.plan`).
   choices = sorted((int(a) for a in env.legal_actions()
-                    if a != ctx.finish and (manual or ctx.actions[a].kind == "tile")),
+                    if a != ctx.finish and ctx.actions[a].kind != "Microbatch"
+                    and (manual or ctx.actions[a].kind == "tile")),
                    key=lambda a: (_rank(ctx, a), a))
   if steps_left < 2 or not choices:
     return _Round(env, (), (), t0, t0, m0, "nothing to choose", 0.0, (0, 0), False, 0,

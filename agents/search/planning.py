@@ -62,6 +62,23 @@ def path_to(env: SearchEnvironment, start: int) -> tuple[int, ...]:
   return env.history[start:] + (() if env.done else (env.finish_action,))
 
 
+def cut_if_over(env: SearchEnvironment) -> tuple[int, ...]:
+  """Where `env`'s state is over its memory budget, the micro-batch action (`Microbatch(k)`,
+  which ends the episode) whose state scores best, if that beats the state as it is; else ().
+  The agents that plan a whole schedule at once (the ILP, the experts) end so: activations
+  shrink with the micro-batch, so a plan over the budget for them fits once its batch is cut."""
+  if env.done or env.fits:
+    return ()
+  best, best_score = (), env.score()
+  for a in env.legal_actions():
+    if env.action_name(a).startswith("Microbatch("):
+      line = env.clone()
+      line.step(a)
+      if line.score() > best_score:
+        best, best_score = (int(a),), line.score()
+  return best
+
+
 def play(env: SearchEnvironment, actions) -> float:
   """Steps `env` through `actions`; returns the sum of rewards."""
   total = 0.0

@@ -1,4 +1,5 @@
-"""Decoding a policy's line: the environment keeps the best state the line passed through."""
+"""Decoding a policy's line: the environment keeps the best state the line passed through, cut
+into micro-batches in the policy's order where it is over the budget."""
 
 from agents.decoding import PATIENCE, play_best_prefix
 from environments import PartitioningEnv, Task
@@ -75,3 +76,67 @@ def test_the_line_stops_after_patience_actions_without_a_new_best():
   assert len(asked) == PATIENCE == len(LOSING)
   assert [env.action_name(a) for a in env.history][2:] == ["Finish"]
   assert env.score() == start
+
+
+def test_a_best_state_over_the_budget_ends_with_the_policy_s_first_cut_that_fits():
+  """gpt:mini at 8 sequences a device, in 60% of the smallest peak any hand schedule reaches,
+  after ZeRO-3 over both axes (then only cuts into micro-batches are legal): the line ends
+  cutting into 2, which does not fit, so it is taken back and the policy asked for its cuts,
+  most likely first: 2 again, then 4, which fits and ends the episode."""
+  from environments.tasks import smallest_expert_peak
+  task = Task("gpt:mini,batch=64", "batch=2,model=4")
+  env = PartitioningEnv(Task(task.model, task.mesh, "h100",
+                             int(0.6 * smallest_expert_peak(task))))
+  env.reset()
+  for text in ("BatchParallel(batch)", "ZeRO(batch)", "ZeRO(model)"):
+    env.step(env.action_index(text))
+  names = lambda mask: {env.action_name(a) for a in mask.nonzero()[0]}
+  assert names(env.observation()["action_mask"]) == {
+      "Microbatch(2)", "Microbatch(4)", "Microbatch(8)", "Microbatch(16)", "Finish"}
+  cut = lambda k: env.action_index(f"Microbatch({k})")
+  answers, offered = iter([cut(2), cut(2), cut(4)]), []
+
+  def policy(observation):
+    offered.append(names(observation["action_mask"]))
+    return next(answers)
+
+  play_best_prefix(env, policy)
+  assert [env.action_name(a) for a in env.history][3:] == ["Microbatch(4)"]
+  assert env.done and env.fits
+  assert offered == [{"Microbatch(2)", "Microbatch(4)", "Microbatch(8)", "Microbatch(16)"}] * 2 + [
+      {"Microbatch(4)", "Microbatch(8)", "Microbatch(16)"}]
+
+
+def test_a_line_over_the_budget_is_cut_where_it_pays_most_walking_back():
+  """gpt:mini at 8 sequences a device on 32 H100s (4 nodes), in half the smallest peak any
+  hand schedule reaches. The line's best state ends with ZeRO-3 over the batch axis, across
+  nodes; it ended cutting into 2, which does not fit. Cut the policy's way (its smallest count
+  that fits, here), the state before that ZeRO is faster, and the one before that fits no cut:
+  the walk back stops there."""
+  from environments.tasks import smallest_expert_peak
+  task = Task("gpt:mini,batch=256", "batch=4,model=8")
+  env = PartitioningEnv(Task(task.model, task.mesh, "h100",
+                             int(0.5 * smallest_expert_peak(task))))
+  env.reset()
+  plan = ("BatchParallel(batch)", "BatchParallel(model)", "ZeRO(model)", "ZeRO(batch)")
+  line = iter([*(env.action_index(t) for t in plan), env.action_index("Microbatch(2)")])
+  count = lambda a: int(env.action_name(a)[len("Microbatch("):-1])
+
+  def policy(observation):
+    legal = observation["action_mask"].nonzero()[0]
+    if all(env.action_name(a).startswith("Microbatch(") for a in legal):
+      return int(min(legal, key=count))       # cuts: the smallest count first
+    return next(line)
+
+  scores = {}
+  for n in (3, 4):
+    for k in (2, 4):
+      trial = env.clone()
+      for text in plan[:n] + (f"Microbatch({k})",):
+        trial.step(trial.action_index(text))
+      scores[n, k] = (trial.fits, trial.score())
+  assert not scores[4, 2][0] and not scores[3, 2][0]             # the premises
+  assert scores[3, 4][0] and scores[4, 4][0] and scores[3, 4][1] > scores[4, 4][1]
+  play_best_prefix(env, policy)
+  assert [env.action_name(a) for a in env.history] == [*plan[:3], "Microbatch(4)"]
+  assert env.done and env.fits and env.score() == scores[3, 4][1]

@@ -30,7 +30,10 @@ def test_action_columns_are_where_the_features_are():
   np.testing.assert_array_equal(
       actions[:n, ActionColumns.KIND].argmax(1), [TACTIC_KINDS.index(k) for k in kinds])
   np.testing.assert_array_equal(is_manual_tactic(actions[:n]),
-                                [k not in ("tile", "finish") for k in kinds])
+                                [k not in ("tile", "Microbatch", "finish") for k in kinds])
+  cuts = [i for i, a in enumerate(env.context.actions) if a.kind == "Microbatch"]
+  assert [round(2 ** (6 * float(actions[i, ActionColumns.MICROBATCHES]))) for i in cuts] == \
+      [env.context.actions[i].tactic.k for i in cuts] != []
   zero = [i for i, a in enumerate(env.context.actions) if a.kind == "ZeRO"]
   assert {round(float(actions[i, ActionColumns.STAGE]) * 3) for i in zero} == {1, 2, 3}
   tiles = [i for i, a in enumerate(env.context.actions) if a.kind == "tile"]
@@ -41,6 +44,8 @@ def test_action_columns_are_where_the_features_are():
   dynamic = dict(zip(DYNAMIC_FEATURES, obs["globals"][-len(DYNAMIC_FEATURES):]))
   assert dynamic["step_time"] == 1.0 and dynamic["progress"] == 0.0
   assert dynamic["fits"] == float(env.fits)
+  assert dynamic["inputs_over_budget"] == np.float32(
+      env.cost.memory.argument_bytes / env.context.budget)
 
 
 def test_search_agents_use_only_the_documented_environment_protocol():

@@ -18,6 +18,11 @@ from partitioner.errors import ShardzeroError, WorkloadError
 from partitioner.tactics import Tile
 
 GPT = Task("gpt:small", "batch=2,model=4")
+
+
+def _dynamic(observation) -> dict:
+  from environments.observations import DYNAMIC_FEATURES
+  return dict(zip(DYNAMIC_FEATURES, observation["globals"][-len(DYNAMIC_FEATURES):]))
 MLP = Task("mlp:small", "batch=8")
 
 
@@ -81,8 +86,8 @@ def test_penalty_only_over_budget():
   tight = PartitioningEnv(dataclasses.replace(GPT, memory_budget=1))
   tight.reset()
   assert tight.penalty() > 1.0
-  assert tight.observation()["globals"][-1] == 0.0   # does not fit
-  assert big.observation()["globals"][-1] == 1.0
+  assert _dynamic(tight.observation())["fits"] == 0.0
+  assert _dynamic(big.observation())["fits"] == 1.0
 
 
 def test_budgets_of_one_task_share_its_states():
@@ -100,7 +105,7 @@ def test_budgets_of_one_task_share_its_states():
   assert ts.reward == pytest.approx(-small.penalty() + (small.context.root.cost.step_time_s -
                                                        small.cost.step_time_s) /
                                     small.context.root.cost.step_time_s)
-  assert ts.observation["globals"][-1] == 0.0 and big.observation()["globals"][-1] == 1.0
+  assert _dynamic(ts.observation)["fits"] == 0.0 and _dynamic(big.observation())["fits"] == 1.0
   with pytest.raises(ShardzeroError, match="not .* at another budget"):
     full.with_budget(MLP)
 
@@ -139,8 +144,12 @@ def test_mask_matches_what_applying_does():
     if action.tactic is None:
       continue
     try:
-      new = env.partitioned.apply(action.tactic)
-      ok = new.state.dims != env.partitioned.state.dims
+      if action.kind == "Microbatch":   # it rewrites the program: first in the schedule
+        new = P.apply(ctx.program, GPT.mesh, (action.tactic,) + env.partitioned.schedule)
+        ok = new.program.microbatches == action.tactic.k
+      else:
+        new = env.partitioned.apply(action.tactic)
+        ok = new.state.dims != env.partitioned.state.dims
     except P.ShardzeroError:
       ok = False
     if i in legal:
@@ -164,6 +173,8 @@ def test_masks_and_keys_updated_from_the_previous_state_equal_those_made_afresh(
       ts = env.step(zero)
     while not ts.last():
       ts = env.step(int(rng.choice(env.legal_actions())))
+      if env.partitioned.program is not ctx.program:   # cut into micro-batches: the last state
+        continue
       fresh = ctx._make(env.partitioned, None)
       np.testing.assert_array_equal(env._info.mask, fresh.mask)
       np.testing.assert_array_equal(env._info.sharding, fresh.sharding)
@@ -364,10 +375,14 @@ def test_task_distribution_from_split_and_budgets():
   assert not next(r for r in results if r.name == "dp").fits
   assert any(r.fits for r in results)
   assert tight.tasks() == [sampled]
+  # Below 0, toward nothing from the smallest expert peak: no whole-batch plan fits.
+  under = TaskDistribution(("gpt:mini",), meshes=(task.mesh,), budget_fractions=(-0.2,))
+  assert under.tasks()[0].memory_budget == int(0.8 * low)
   with pytest.raises(WorkloadError, match="split"):
     TaskDistribution.from_split("test")
-  with pytest.raises(WorkloadError, match="positive"):
-    TaskDistribution(("mlp:small",), budget_fractions=(0.0,))
+  for bad in (0.0, -1.0, -2.0):
+    with pytest.raises(WorkloadError, match="above -1"):
+      TaskDistribution(("mlp:small",), budget_fractions=(bad,))
 
 
 def test_weak_scaled_distributions_grow_the_batch_with_the_mesh():

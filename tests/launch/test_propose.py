@@ -71,8 +71,10 @@ def test_where_only_micro_batches_fit_propose_cuts_the_batch(capsys):
   _, out, _ = run(capsys, "propose", model, "--mesh", mesh, "--memory-budget", "1KiB",
                   "--json", "-")
   data = json.loads(out)
+  plan = data["policy_plan"]   # where its line is over the budget, the policy cuts it itself
+  whole = [] if plan["schedule"].startswith("Microbatch(") else [plan["peak_memory_bytes"]]
   smallest = min([h["peak_memory_bytes"] for h in data["hand_schedules"] if "step_time_s" in h]
-                 + [data["policy_plan"]["peak_memory_bytes"]])
+                 + whole)
   budget = int(smallest * 0.9)   # no whole-batch plan fits
   code, out, err = run(capsys, "propose", model, "--mesh", mesh, "--memory-budget", str(budget),
                        "--json", "-")
@@ -124,10 +126,10 @@ def test_renaming_or_reordering_leaves_the_proposal_unchanged(capsys):
 # and `make test-current`), so the same checkpoint must make the same plan on current JAX. The
 # step times differ by up to 2.5% between the stacks: JAX 0.10 and optax 0.2.8 trace the same
 # step with other ops (`square` for `integer_pow`, more broadcasts), which fuse otherwise.
-# `make policy` changes the plan, and the cost model its time (12: 8.93 -> 8.54 ms, the
-# embedding's gradient scatter-add updating in place): measure it again on the pinned stack.
-PINNED_PLAN = ("BatchParallel(model); BatchParallel(batch); ZeRO(batch, stage=2)",
-               1969078280, 8.54e-3)
+# `make policy` changes the plan, and the cost model its time: measure it again on the pinned
+# stack (session 52's policy, observation version 4).
+PINNED_PLAN = ("BatchParallel(model); BatchParallel(batch); ZeRO(batch, stage=2); "
+               "ZeRO(model, stage=2)", 1790472200, 7.96e-3)
 
 
 def test_the_policy_trained_on_the_pinned_stack_plays_the_same_plan_on_this_one(capsys):
