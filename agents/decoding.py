@@ -28,7 +28,7 @@ class TrainedPolicy(NamedTuple):
 PATIENCE = 3   # actions in a row without a new best state before a decoded line stops
 
 
-def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
+def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> None:
   """Plays `choose(observation)` from `env`'s state in a clone until the episode ends, then
   plays in `env` the prefix of that line whose state scores best (the earliest of equals) and
   finishes. The environment costs every state it passes through, so this costs no simulation;
@@ -42,7 +42,8 @@ def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
   The line stops once `PATIENCE` actions in a row have not beaten its best state, which keeps
   a proposal on a large program under a second or two. Where that state is over the memory
   budget, it and the states before it are cut into micro-batches the policy's way
-  (`_cut_back`): the policy proposes, the simulator says which of its proposals stands."""
+  (`_cut_back`; not without `cut`): the policy proposes, the simulator says which of its
+  proposals stands."""
   if env.done:
     return
   start, line = len(env.history), env.clone()
@@ -54,7 +55,7 @@ def play_best_prefix(env, choose: Callable[[dict], int]) -> None:
     if line.score() > best_score + 1e-12:
       best, best_score = len(line.history) - start, line.score()
   moves = list(line.history[start:start + best])
-  if not _after(env, moves).fits:
+  if cut and not _after(env, moves).fits:
     moves = _cut_back(env, moves, choose)
   for a in moves:
     env.step(a)
@@ -128,7 +129,7 @@ def _without_finish(observation: dict, finish: int) -> dict:
   return {**observation, "action_mask": mask}
 
 
-def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
+def greedy_decoder(networks: Networks, cut: bool = True) -> Callable[[Any, Any], None]:
   """`decode(env, params)`: the policy's most likely legal action but finish at each state,
   kept up to the best state of that line (`play_best_prefix`). One compilation per
   observation size bucket, shared by every call."""
@@ -136,14 +137,14 @@ def greedy_decoder(networks: Networks) -> Callable[[Any, Any], None]:
   key = jax.random.PRNGKey(0)
 
   def decode(env, params) -> None:
-    play_best_prefix(env, lambda observation: int(policy(params, key, observation)[0]))
+    play_best_prefix(env, lambda observation: int(policy(params, key, observation)[0]), cut)
 
   decode.policy = policy
   return decode
 
 
 def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
-                budget: int = 50) -> tuple[float, int]:
+                budget: int = 50, cut: bool = True) -> tuple[float, int]:
   """Plays `policy` in `env` from its current state to the end: greedy decoding (the most
   likely legal action but finish, kept up to the best state of that line: `play_best_prefix`),
   or MCTS with `budget` simulations guided by the policy's prior and value, which also decodes
@@ -156,7 +157,7 @@ def play_policy(env, policy: TrainedPolicy, search: str = "greedy",
   if search not in ("greedy", "mcts"):
     raise ShardzeroError(f"unknown policy search {search!r}; use greedy or mcts")
   networks, params = policy.networks, policy.params
-  decode = greedy_decoder(networks)
+  decode = greedy_decoder(networks, cut)
   decode.policy(params, jax.random.PRNGKey(0), env.observation())[0].block_until_ready()
   start = time.perf_counter()
   simulations = 0

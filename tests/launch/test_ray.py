@@ -77,6 +77,9 @@ def ray_run(tmp_path_factory):
         out, err)
     try:
       _wait(lambda: _learner_updates(run_dir) >= 3, "the first updates")
+      # One actor can feed the first updates while the other is still starting (a loaded
+      # machine): wait for both processes.
+      _wait(lambda: len(_role_pids(run_dir, "actor")) >= 2, "both actors")
       actors = sorted(_role_pids(run_dir, "actor"))
       record["actor_pids"] = actors
       os.kill(actors[0], signal.SIGKILL)                 # the role's own process
