@@ -367,8 +367,8 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
         "not the plan), and after its episode the ILP also tries a `Pipeline` over `pipe` with "
         "the micro-batch counts that divide the batch nearest 2, 4, 8 and 16 a stage, deciding "
         "the other axes itself, each plan also with its hand-overs split over `model` "
-        "(`StageScatter`; `launch.evaluation.pipelined_plan`); the micro-batch sizes are its "
-        "own.",
+        "(`StageScatter`; `launch.evaluation.pipelined_plan`), and the best of them again "
+        "interleaved with 2 and 3 chunks a stage; the micro-batch sizes are its own.",
         "",
         "| model | GPUs | published plan: predicted s, TFLOP/s, peak | ILP plan | ILP: predicted s, "
         "TFLOP/s, peak | ILP / published plan | solve s |",

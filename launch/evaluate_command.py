@@ -36,7 +36,10 @@ Agents:
 
 Where the step has a scanned layer stack, every agent but random and the raw policies also
 tries its plan pipelined over the mesh's outermost axis at a few micro-batch counts, deciding
-the other axes itself (the expert: the pipelining hand schedules), and keeps the better.
+the other axes itself (the expert: the pipelining hand schedules), the best of those also
+interleaved (but the guarded policies'), and keeps the better. Where a plan is over the memory
+budget, the expert, the ILP and the policies end it cut into micro-batches (Microbatch(k))
+where a cut fits or comes closer.
 
 Tasks come from --suite (bundled: quick, scales, external; or a YAML file: launch/suites.py) or
 --models x --meshes x --hardware x --memory-budget. Prints a table per number of devices and a
