@@ -17,6 +17,7 @@ name is found by what the running JAX has, not by its version number:
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -28,6 +29,23 @@ from jax.extend.random import threefry_prng_impl as threefry  # noqa: F401
 DropVar = getattr(_core, "DropVar", None) or jax.core.DropVar
 
 get_aval = getattr(jax, "typeof", None) or jax.core.get_aval
+
+
+@functools.cache
+def optimization_barrier_p() -> Primitive:
+  """The primitive `lax.optimization_barrier` binds (JAX keeps it private), read off a trace.
+  JAX 0.4.34 cannot vmap it, as pipelines and held partial sums run ops; its results are its
+  operands, so a batched barrier is the barrier of the batched operands."""
+  primitive = jax.make_jaxpr(jax.lax.optimization_barrier)(np.float32(0)).eqns[0].primitive
+  try:
+    jax.vmap(jax.lax.optimization_barrier)(np.zeros(1, np.float32))
+  except NotImplementedError:
+    from jax.interpreters import batching
+    batching.primitive_batchers[primitive] = lambda args, dims: (primitive.bind(*args), dims)
+  return primitive
+
+
+optimization_barrier_p()   # before any program holding one is run
 
 
 def bind(primitive, args, params):

@@ -40,6 +40,9 @@ _INLINE = {
     "named_call": ("call_jaxpr",),
 }
 
+# Checkpoint primitives (`jax.checkpoint`/`remat` by the names JAX versions give them).
+_REMAT = frozenset({"checkpoint", "remat", "remat2"})
+
 # `jax.random` primitives on typed keys (`Builder.emit_key_op`).
 _KEY_OPS = frozenset({"random_wrap", "random_unwrap", "random_bits", "random_split",
                       "random_fold_in", "random_seed"})
@@ -185,6 +188,21 @@ class _Builder:
     closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in vals))
     return self.emit(closed.jaxpr, closed.consts, ins)
 
+  def barrier(self, ins: list[int], name_stack) -> list[int]:
+    """`ins` through one `optimization_barrier`, as JAX lowers a differentiated `checkpoint`:
+    the recomputation in the backward pass then reads values XLA cannot prove equal to the
+    forward pass's, so its CSE does not merge the two and keep every activation alive (the
+    rematerialisation the user asked for is kept). Constants pass around it."""
+    through = [i for i in ins if not self.values[i].is_const]
+    if not through:
+      return ins
+    index = len(self.ops)
+    outs = tuple(self.new_value(self.values[i], producer=index) for i in through)
+    self.ops.append(Op(index, core.optimization_barrier_p(), tuple(through), outs, {},
+                       name_stack))
+    renamed = dict(zip(through, outs))
+    return [renamed.get(i, i) for i in ins]
+
   def new_value(self, aval, name=None, producer=None, const=None) -> int:
     vid = len(self.values)
     self.values.append(Value(vid, aval.shape, aval.dtype, name, producer, const))
@@ -239,6 +257,8 @@ class _Builder:
               env[var] = vid
           continue
       if body is not None:
+        if name in _REMAT and eqn.params.get("prevent_cse") and eqn.params.get("differentiated"):
+          ins = self.barrier(ins, eqn.source_info.name_stack)
         if isinstance(body, core.ClosedJaxpr):
           outs = self.emit(body.jaxpr, body.consts, ins)
         else:

@@ -156,8 +156,9 @@ def _read_scale(op, program) -> float:
   squeeze, or a broadcast that only adds unit dimensions, is a bitcast in XLA and moves
   nothing (0: neither read nor written); so do a loop's entry and exit: XLA's while loop
   passes its buffers by reference, the body reads a stacked input's slice where it uses it
-  (priced there, every iteration) and writes each iteration's result in place."""
-  if op.name in ("scan_enter", "scan_exit"):
+  (priced there, every iteration) and writes each iteration's result in place; nor does an
+  optimization barrier, which only orders."""
+  if op.name in ("scan_enter", "scan_exit", "optimization_barrier"):
     return 0.0
   if op.name == "squeeze" or (op.name == "broadcast_in_dim" and op.inputs and
                               program.values[op.inputs[0]].size ==

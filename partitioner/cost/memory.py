@@ -159,6 +159,7 @@ class ProgramLiveness:
 
 
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
+BARRIER = "optimization_barrier"   # a rematerialised block's inputs (`tracing.Builder.barrier`)
 # Elementwise ops XLA's fusion duplicates into each kernel that reads their result (it never
 # duplicates exp, log, tanh, divide, sqrt and the like).
 CHEAP = frozenset("""neg sign floor ceil round abs not convert_element_type reduce_precision
@@ -172,7 +173,8 @@ def bufferless(program) -> dict[int, int]:
   and a slice or a cheap elementwise op of one operand (the others constants: x * 2, -x,
   x > 0, a dtype conversion) read only by ops that fuse it, are recomputed in every kernel that
   reads them; a slice that takes one part back out of a concatenation is that part, and a
-  concatenation read only by such slices is never made. (Cheap ops of two operands are stored:
+  concatenation read only by such slices is never made; an optimization barrier's results are
+  its operands. (Cheap ops of two operands are stored:
   recomputing them too matched XLA on data parallelism but under-predicted Megatron layouts by
   up to 20%.) Results the step returns and values crossing a loop boundary keep their
   buffers."""
@@ -181,6 +183,12 @@ def bufferless(program) -> dict[int, int]:
   outputs = set(program.outputs)
   root: dict[int, int] = {}
   for op in program.ops:
+    if op.name == BARRIER:   # each result is its operand
+      for v, source in zip(op.outputs, op.inputs):
+        made = values[source].producer
+        if v not in outputs and (made is None or region[made] == region[op.index]):
+          root[v] = root.get(source, source)
+      continue
     if len(op.outputs) != 1 or op.outputs[0] in outputs:
       continue
     v = op.outputs[0]

@@ -181,6 +181,8 @@ class Simulator:
     if weight is not None:
       launches = (np.bincount(work.group, weight, minlength=work.groups) /
                   np.maximum(np.bincount(work.group, minlength=work.groups), 1))
+    kernel = np.array([op.name != "optimization_barrier" for op in program.ops], np.float64)
+    launches[np.bincount(work.group, kernel, minlength=work.groups) == 0] = 0.0  # no kernel
     self.launch_s = hw.kernel_launch_s * launches
     # Per value: the first place in the run order where an op reads it.
     self.first_read = np.full(len(program.values), _NEVER, np.int64)

@@ -24,7 +24,10 @@ def elementwise(op, program):
 
 @factor_rule("device_put", "optimization_barrier")
 def identity_per_operand(op, program):
-  """Result i is operand i."""
+  """Result i is operand i. Each pair is a factor group of its own: the operands are
+  independent, so one mesh axis may shard them all (a rematerialised layer's activations and
+  their cotangents, both along the batch)."""
   b = FactorBuilder()
   dims = [b.dims(program.values[v].shape) for v in op.inputs]
-  return b.build(dims, dims)
+  groups = [k for k, d in enumerate(dims) for factor in d for _ in factor]
+  return b.build(dims, dims, groups)

@@ -73,3 +73,34 @@ def test_the_table_shows_the_trace_beside_the_prediction_and_repredicts(tmp_path
   assert again["rows"][0]["measured"] == measured          # the measurements stand
   assert 0 < again["rows"][0]["predicted"]["flops"] != 1e9   # the simulator's own figures
   assert again["rows"][0]["predicted"]["kernels"] > 0
+
+
+def test_a_rewritten_program_exports_and_renders_beside_its_uncut_row(tmp_path):
+  """`MODEL | TACTICS`: the partitioner's program (here cut into micro-batches, with a
+  checkpointed block whose barrier must survive) exported as it runs, computing the step."""
+  import corpus
+  model = "gpt:small,remat=true"
+  specs = [f"{model} | ", f"{model} | Microbatch(2)"]
+  gpu_step_times.export(tmp_path, specs, "h100", "cpu")
+  import partitioner as P
+  workload = corpus.load(model, abstract=False)
+  leaves = jax.tree.leaves(workload.args)
+  program = P.trace(workload.fn, *workload.args)
+  for spec, tactics in zip(specs, ("", "Microbatch(2)")):
+    path = tmp_path / f"{gpu_step_times.slug(spec)}.json"
+    meta = json.loads(path.read_text())
+    bytecode = path.with_suffix(".mlirbc").read_bytes()
+    assert b"optimization_barrier" in bytecode
+    got = gpu_step_times._exported(jax, meta, bytecode, "cpu").call(*leaves)
+    rewrite = P.apply(program, "batch=1", tactics).program   # what the export runs
+    want = jax.jit(lambda *xs: list(rewrite.evaluate(*xs)))(*leaves)
+    if not tactics:   # uncut, the user's own step
+      want = jax.tree.leaves(jax.jit(workload.fn)(*workload.args))
+    for g, w in zip(got, want, strict=True):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+  out = tmp_path / "measured.json"
+  gpu_step_times.measure(tmp_path, out, repeat=1, ceiling_size=256, trace_runs=1)
+  text = gpu_step_times.render(gpu_step_times.join(tmp_path, json.loads(out.read_text())))
+  assert "## Micro-batched steps on one GPU" in text and "## Step time on one GPU" not in text
+  assert f"| {model} | 1 |" in text and f"| {model} | 2 |" in text
+  assert "1.00, 1.00" in text     # the uncut row over itself
