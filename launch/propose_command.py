@@ -30,9 +30,10 @@ HSDP, Megatron and their mixtures; the family's expert strategies for corpus mod
 costed from the same start, and the best plan by the simulator wins: what fits the memory
 budget before what does not, then the fastest. The output says which won and by how much.
 A plan fits when its predicted peak is within the budget less --memory-margin (10% by
-default), since the simulator's peaks can run under XLA's footprint. The fastest plans that
-do not fit (where nothing fits, or where they are faster than the answer) are tried again
-with the batch cut into 2, 4, 8... micro-batches (Microbatch: gradient accumulation;
+default), since the simulator's peaks can run under XLA's footprint (by 2-15% on the steps
+measured on one H200: docs/validation.md; raise it where a plan must not fail). The fastest
+plans that do not fit (where nothing fits, or where they are faster than the answer) are tried
+again with the batch cut into 2, 4, 8... micro-batches (Microbatch: gradient accumulation;
 activations shrink, nothing else changes); the fastest that fits with the fewest is the
 answer if it beats the whole-batch one. Where the step has a scanned layer stack, the program
 is also pipelined over the mesh's outermost axis at 8 micro-batches a stage, the policy
