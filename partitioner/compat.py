@@ -37,8 +37,8 @@ def optimization_barrier_p() -> Primitive:
   JAX 0.4.34 cannot vmap it, as pipelines and held partial sums run ops; its results are its
   operands, so a batched barrier is the barrier of the batched operands."""
   primitive = jax.make_jaxpr(jax.lax.optimization_barrier)(np.float32(0)).eqns[0].primitive
-  try:
-    jax.vmap(jax.lax.optimization_barrier)(np.zeros(1, np.float32))
+  try:   # traced, not run: importing the partitioner must not start a backend
+    jax.make_jaxpr(jax.vmap(jax.lax.optimization_barrier))(np.zeros(1, np.float32))
   except NotImplementedError:
     from jax.interpreters import batching
     batching.primitive_batchers[primitive] = lambda args, dims: (primitive.bind(*args), dims)

@@ -116,3 +116,16 @@ def test_the_checker_sees_imports_against_the_order(tmp_path):
   (tmp_path / "partitioner" / "a.py").write_text("def f():\n  from partitioner import b\n")
   (tmp_path / "partitioner" / "b.py").write_text("from partitioner.a import f\n")
   assert _circles(tmp_path) == [["partitioner.a", "partitioner.b", "partitioner.a"]]
+
+
+def test_importing_the_partitioner_starts_no_jax_backend():
+  """A user may still have to configure JAX after importing the partitioner
+  (`jax.distributed.initialize`, the host device count): nothing it runs at import may start a
+  backend (`compat.optimization_barrier_p` only traces)."""
+  import subprocess
+  import sys
+  code = ("from jax._src import xla_bridge; import partitioner, partitioner.lowering, "
+          "partitioner.cost; print(bool(xla_bridge._backends))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       check=True)
+  assert out.stdout.split()[-1] == "False"
