@@ -462,7 +462,7 @@ MICROBATCHED_NOTES = [  # what the measurements showed, measured on 2026-11-28
     "every activation, asked 534 GiB for the uncut step (299 GiB after its own "
     "rematerialisation) and ran out of memory at k = 1, 2 and 4, where the simulator "
     "predicted 54, 40 and 30 GiB. The barrier is now traced as an op "
-    "(`tracing.Builder.barrier`); the rows above are measured with it. XLA:CPU's footprint "
+    "(`tracing._Builder.barrier`); the rows above are measured with it. XLA:CPU's footprint "
     "was the same with and without it, which is why no CPU test saw this.",
 ]
 

@@ -159,7 +159,7 @@ class ProgramLiveness:
 
 
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
-BARRIER = "optimization_barrier"   # a rematerialised block's inputs (`tracing.Builder.barrier`)
+BARRIER = "optimization_barrier"   # a rematerialised block's inputs (`tracing._Builder.barrier`)
 # Elementwise ops XLA's fusion duplicates into each kernel that reads their result (it never
 # duplicates exp, log, tanh, divide, sqrt and the like).
 CHEAP = frozenset("""neg sign floor ceil round abs not convert_element_type reduce_precision
