@@ -111,10 +111,15 @@ def integer_bounds(model: str) -> list:
   """Per argument leaf, the largest value of an integer leaf (token ids, labels) in the
   corpus' own example arguments, so random ones stay in range; None for float leaves. Only
   the integer leaves are computed (XLA drops the parameters' initialisation), so a model
-  whose weights would not fit in this machine's memory exports too."""
+  whose weights would not fit in this machine's memory exports too. A user's
+  `module:function` brings its own arguments: their integer leaves are read."""
   import jax
   import numpy as np
+  import corpus
   from corpus import registry
+  if model.partition(":")[0] not in corpus.FAMILIES:
+    return [int(np.asarray(a).max()) if np.issubdtype(a.dtype, np.integer) else None
+            for a in jax.tree.leaves(corpus.load(model, abstract=False).args)]
   family, config = registry.parse(model)
   _, init = family.make(config)
   key = jax.random.PRNGKey(config.seed)

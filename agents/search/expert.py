@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-from agents.search.planning import Plan, PlanningActor, cut_if_over
+from agents.search.planning import Plan, PlanningActor, cut_if_over, play
 from corpus.experts import best as best_of
 from corpus.experts import evaluate_experts as evaluate_schedules
 from environments.protocols import SearchEnvironment
@@ -84,11 +84,9 @@ class ExpertActor(PlanningActor):
     lines = []
     for r in [best] + [r for r in over if r is not best]:
       line = env.clone()
-      for a in r.actions:
-        line.step(a)
+      play(line, r.actions)
       cut = cut_if_over(line)
-      for a in cut:
-        line.step(a)
+      play(line, cut)
       sims += len(cut)
       lines.append((line.score(), -len(lines), r.actions + cut, line))
     score, _, actions, line = max(lines)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from agents.search.planning import Plan, PlanningActor, cut_if_over
+from agents.search.planning import Plan, PlanningActor, cut_if_over, play
 from environments.protocols import SearchEnvironment
 
 CANDIDATES = 32      # actions given a variable (see `_candidates`)
@@ -81,8 +81,7 @@ class ILPActor(PlanningActor):
     for a in self.solution.actions:
       env.step(a)
     cut = cut_if_over(env)
-    for a in cut:
-      env.step(a)
+    play(env, cut)
     actions = self.solution.actions + cut + ((env.finish_action,) if not env.done else ())
     return Plan(actions, env.score(), self.solution.simulations, 0.0)
 

@@ -27,6 +27,9 @@ _SCANS = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
 _SHAPE = {"broadcast_in_dim", "reshape", "squeeze", "transpose", "iota", "concatenate", "slice",
           "pad", "dynamic_slice", "rev"}
 FUSIBLE = _ELEMENTWISE | REDUCTIONS | _SHAPE
+# In front of a checkpointed block's recomputation (`tracing._Builder.barrier`): orders, moves
+# nothing, launches no kernel; its results are its operands.
+BARRIER = "optimization_barrier"
 _MOVABLE = _ELEMENTWISE | _SHAPE
 
 
@@ -158,7 +161,7 @@ def _read_scale(op, program) -> float:
   passes its buffers by reference, the body reads a stacked input's slice where it uses it
   (priced there, every iteration) and writes each iteration's result in place; nor does an
   optimization barrier, which only orders."""
-  if op.name in ("scan_enter", "scan_exit", "optimization_barrier"):
+  if op.name in ("scan_enter", "scan_exit", BARRIER):
     return 0.0
   if op.name == "squeeze" or (op.name == "broadcast_in_dim" and op.inputs and
                               program.values[op.inputs[0]].size ==

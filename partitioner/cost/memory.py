@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from partitioner import roles as R
-from partitioner.cost.compute import ProgramWork
+from partitioner.cost.compute import BARRIER, ProgramWork
 
 CATEGORIES = ("parameters", "optimizer_state", "batch", "activations", "temporaries")
 
@@ -159,7 +159,6 @@ class ProgramLiveness:
 
 
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
-BARRIER = "optimization_barrier"   # a rematerialised block's inputs (`tracing._Builder.barrier`)
 # Elementwise ops XLA's fusion duplicates into each kernel that reads their result (it never
 # duplicates exp, log, tanh, divide, sqrt and the like).
 CHEAP = frozenset("""neg sign floor ceil round abs not convert_element_type reduce_precision

@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from partitioner.cost.communication import CollectiveTime, collective_time
-from partitioner.cost.compute import _EFF, Divisors, ProgramWork
+from partitioner.cost.compute import _EFF, BARRIER, Divisors, ProgramWork
 from partitioner.cost.hardware import Hardware, load_hardware
 from partitioner.cost.memory import MemoryReport, ProgramLiveness, memory
 from partitioner.cost.topology import Placement
@@ -181,7 +181,7 @@ class Simulator:
     if weight is not None:
       launches = (np.bincount(work.group, weight, minlength=work.groups) /
                   np.maximum(np.bincount(work.group, minlength=work.groups), 1))
-    kernel = np.array([op.name != "optimization_barrier" for op in program.ops], np.float64)
+    kernel = np.array([op.name != BARRIER for op in program.ops], np.float64)
     launches[np.bincount(work.group, kernel, minlength=work.groups) == 0] = 0.0  # no kernel
     self.launch_s = hw.kernel_launch_s * launches
     # Per value: the first place in the run order where an op reads it.

@@ -104,3 +104,13 @@ def test_a_rewritten_program_exports_and_renders_beside_its_uncut_row(tmp_path):
   assert "## Micro-batched steps on one GPU" in text and "## Step time on one GPU" not in text
   assert f"| {model} | 1 |" in text and f"| {model} | 2 |" in text
   assert "1.00, 1.00" in text     # the uncut row over itself
+
+
+def test_a_users_module_function_exports_with_its_own_arguments(tmp_path):
+  """Integer bounds come from the corpus' initialisation only for corpus models; a user's
+  `path.py:function` brings its arguments, and exports (whole and cut) as the corpus does."""
+  model = str(Path(__file__).resolve().parents[2] / "launch" / "user_model.py") + ":workload"
+  gpu_step_times.export(tmp_path, [model, f"{model} | Microbatch(2)"], "h100", "cpu")
+  metas = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+  assert len(metas) == 2 and all(m["predicted"]["flops"] > 0 for m in metas)
+  assert all(len(m["int_max"]) == len(m["inputs"]) for m in metas)
