@@ -169,30 +169,9 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
   from agents.loggers import InMemoryLogger
   extra: dict = {}
   if spec.kind.startswith("policy"):
-    policy = _policy(spec.run)
-    search = "mcts" if spec.kind.startswith("policy+mcts") else "greedy"
-    if spec.kind.endswith("+guard"):
-      from agents.guard import fit_with_microbatches, play_guarded
-      from launch.auto import solve
-      g = play_guarded(env, policy, search, spec.number or 1)
-      start = time.perf_counter()
-      decide, per_stage = pipeline_decider(spec, env.context)
-      micro = fit_with_microbatches(env.context, g, decide=decide, solver=solve,
-                                    per_stage=per_stage)
-      out = {"decide_s": g.policy_s + g.guard_s + time.perf_counter() - start,
-             "simulations": g.simulations,
-             "guard": {"winner": g.winner, "policy_step_time_s": g.policy_step_s,
-                       "policy_peak_memory_bytes": g.policy_peak_bytes,
-                       "policy_fits": g.policy_fits, "policy_s": g.policy_s,
-                       "guard_s": g.guard_s}}
-      if micro is not None:   # as `propose` answers: a plan that fits once its batch is cut
-        out["microbatched"] = {"k": micro.k, "base": micro.base, "schedule": micro.pp.decided,
-                               "step_time_s": micro.cost.step_time_s,
-                               "peak_memory_bytes": micro.cost.peak_memory_bytes}
-      return out
-    from agents.decoding import play_policy
-    seconds, simulations = play_policy(env, policy, search, spec.number or 1)
-    return {"decide_s": seconds, "simulations": simulations}
+    from launch.runtime import collector_paused
+    with collector_paused():   # as `propose` decides
+      return _run_policy(spec, env)
   from launch.search_command import make_actor
   if spec.kind == "ilp":
     from agents.search.ilp import ILPActor
@@ -221,6 +200,34 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
                      "build_s": s.build_s, "solve_s": s.solve_s}}
   simulations = getattr(actor, "simulations", len(env.history))
   return {"decide_s": seconds, "simulations": simulations, **extra}
+
+
+def _run_policy(spec: AgentSpec, env) -> dict:
+  """A trained policy's episode (raw, policy-guided MCTS, or guarded as `propose` answers)."""
+  policy = _policy(spec.run)
+  search = "mcts" if spec.kind.startswith("policy+mcts") else "greedy"
+  if spec.kind.endswith("+guard"):
+    from agents.guard import fit_with_microbatches, play_guarded
+    from launch.auto import solve
+    g = play_guarded(env, policy, search, spec.number or 1)
+    start = time.perf_counter()
+    decide, per_stage = pipeline_decider(spec, env.context)
+    micro = fit_with_microbatches(env.context, g, decide=decide, solver=solve,
+                                  per_stage=per_stage)
+    out = {"decide_s": g.policy_s + g.guard_s + time.perf_counter() - start,
+           "simulations": g.simulations,
+           "guard": {"winner": g.winner, "policy_step_time_s": g.policy_step_s,
+                     "policy_peak_memory_bytes": g.policy_peak_bytes,
+                     "policy_fits": g.policy_fits, "policy_s": g.policy_s,
+                     "guard_s": g.guard_s}}
+    if micro is not None:   # as `propose` answers: a plan that fits once its batch is cut
+      out["microbatched"] = {"k": micro.k, "base": micro.base, "schedule": micro.pp.decided,
+                             "step_time_s": micro.cost.step_time_s,
+                             "peak_memory_bytes": micro.cost.peak_memory_bytes}
+    return out
+  from agents.decoding import play_policy
+  seconds, simulations = play_policy(env, policy, search, spec.number or 1)
+  return {"decide_s": seconds, "simulations": simulations}
 
 
 # Agents whose plan is checked against pipelines after their episode (`agents.pipelines`): the
@@ -303,8 +310,13 @@ class Unit(NamedTuple):
 
 
 def run_unit(unit: Unit) -> list[dict]:
-  """Evaluates each agent of `unit` on its task; an agent that fails gives a row with `error`."""
+  """Evaluates each agent of `unit` on its task; an agent that fails gives a row with `error`.
+  Under the shardzero command's collector settings (`launch.runtime.relax_gc`) in whatever
+  process runs it (a spawned or Ray worker, a benchmark): with CPython's, the full collections
+  of a process holding a few programs took 0.5-0.8 s of a guarded policy's 1.3-1.7 s."""
   from environments import EnvConfig, PartitioningEnv
+  from launch.runtime import relax_gc
+  relax_gc()
   task = unit.task
   base = {"task": task.key, "model": task.model, "mesh": task.mesh, "hardware": task.hardware,
           "budget": task.budget, "devices": task.devices, "max_steps": unit.max_steps,

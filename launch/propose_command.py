@@ -8,6 +8,7 @@ import time
 from launch import report
 from launch.partition_command import _mesh_size, layout_lines
 from launch.search_command import _cost_dict, strategy_result
+from launch.runtime import collector_paused
 
 HELP = "propose a partitioning strategy with a trained policy"
 
@@ -112,7 +113,8 @@ def run(args) -> int:
     env.reset()
     if status:
       status.update("deciding with the policy and costing the hand schedules")
-    guarded = play_guarded(env, policy, args.search, args.budget)
+    with collector_paused():
+      guarded = play_guarded(env, policy, args.search, args.budget)
   finally:
     if status:
       status.stop()
@@ -146,8 +148,9 @@ def run(args) -> int:
     kind = "policy+mcts+guard" if args.search == "mcts" else "policy+guard"
     decide, per_stage = pipeline_decider(AgentSpec(kind, run_dir, args.budget), ctx)
     began = time.perf_counter()
-    micro = fit_with_microbatches(ctx, guarded, decide=decide, solver=solve,
-                                  per_stage=per_stage)
+    with collector_paused():
+      micro = fit_with_microbatches(ctx, guarded, decide=decide, solver=solve,
+                                    per_stage=per_stage)
     result["fit_time_s"] = time.perf_counter() - began
     result["decide_time_s"] = guarded.policy_s + guarded.guard_s + result["fit_time_s"]
   finally:

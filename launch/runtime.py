@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 YOUNG_THRESHOLD = 200_000
@@ -18,3 +19,20 @@ def relax_gc(threshold: int = YOUNG_THRESHOLD) -> None:
   first collections also scan what the set-up left). Cycles are still collected, later."""
   young, middle, old = gc.get_threshold()
   gc.set_threshold(max(young, threshold), middle, old)
+
+
+@contextlib.contextmanager
+def collector_paused():
+  """No automatic collection inside the block: a policy's decision of a second or two.
+
+  A process holding a few large programs (Megatron-LM's Table 1 rows, each traced whole, cut
+  and pipelined) keeps a million objects or more; a full or middle collection then rescans
+  them, 0.2-0.8 s each, a third of a guarded decision when one fell inside it. Little of what
+  a decision makes is cyclic garbage; what is waits for the next collection after it."""
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -12,9 +13,10 @@ from agents.search.mcts import heuristic_prior
 from environments.observations import trimmed
 
 
+@functools.lru_cache(maxsize=8)
 def make_prior_value(networks: Networks):
   """`(params, observation) -> (probabilities, value)`, jitted on the trimmed observation,
-  for search."""
+  for search; one per network, so that each search does not compile it again."""
 
   def prior_value(params, observation):
     out = networks.apply(params, observation)

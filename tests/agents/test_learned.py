@@ -98,6 +98,9 @@ def test_search_and_policy_evaluate_trimmed_padding_to_the_same_answer():
   np.testing.assert_allclose(value, full.value, rtol=1e-5, atol=1e-6)
   action, _, _ = make_policy(nets, evaluation=True)(params, jax.random.PRNGKey(1), obs)
   assert int(action) == int(np.argmax(full.logits))
+  # One jitted function per network: a second proposal compiles nothing again.
+  assert make_policy(nets, evaluation=True) is make_policy(nets, evaluation=True)
+  assert make_prior_value(nets) is make_prior_value(nets)
 
 
 def test_sequence_adder_writes_padded_sequences_with_versions(env):

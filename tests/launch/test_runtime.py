@@ -1,8 +1,11 @@
-"""relax_gc raises the young-generation threshold and never lowers one set higher."""
+"""relax_gc raises the young-generation threshold and never lowers one set higher;
+collector_paused stops automatic collection inside its block and restores what was set."""
 
 import gc
 
-from launch.runtime import YOUNG_THRESHOLD, relax_gc
+import pytest
+
+from launch.runtime import YOUNG_THRESHOLD, collector_paused, relax_gc
 
 
 def test_relax_gc_raises_the_young_threshold_and_keeps_a_higher_one():
@@ -16,3 +19,20 @@ def test_relax_gc_raises_the_young_threshold_and_keeps_a_higher_one():
     assert gc.get_threshold()[0] == 2 * YOUNG_THRESHOLD
   finally:
     gc.set_threshold(*before)
+
+
+def test_collector_paused_disables_collection_inside_and_restores_it():
+  was = gc.isenabled()
+  try:
+    gc.enable()
+    with pytest.raises(RuntimeError):
+      with collector_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a decision that fails")
+    assert gc.isenabled()
+    gc.disable()   # a caller that disabled it keeps it disabled
+    with collector_paused():
+      assert not gc.isenabled()
+    assert not gc.isenabled()
+  finally:
+    (gc.enable if was else gc.disable)()
