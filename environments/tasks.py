@@ -214,13 +214,16 @@ def weak_scaled(model: str, mesh: str, batch_per_device: int | None) -> str:
 class TaskDistribution:
   """Tasks drawn uniformly: a model, a mesh, a hardware, and a budget (None: the device's
   memory; a fraction: `tight_budget`, between the smallest expert peak and the data-parallel
-  peak). With `batch_per_device`, each model's batch is that many examples per device of the
-  mesh it is drawn with (weak scaling, as users grow a run), whatever batch its spec names."""
+  peak). With `batch_per_device` (one count, or several drawn from like the rest), each
+  model's batch is that many examples per device of the mesh it is drawn with (weak scaling,
+  as users grow a run), whatever batch its spec names. One example per device is its own
+  regime: cutting such a batch into micro-batches leaves some devices without an example of
+  their own, where at two a cut into two keeps every device busy."""
   models: tuple[str, ...]
   meshes: tuple[str, ...] = ("batch=8", "batch=4,model=2", "batch=2,model=4")
   hardware: tuple[str, ...] = ("h100",)
   budget_fractions: tuple[float | None, ...] = (None, 0.5)
-  batch_per_device: int | None = None
+  batch_per_device: int | tuple[int, ...] | None = None
 
   def __post_init__(self):
     if not self.models or not self.meshes or not self.hardware or not self.budget_fractions:
@@ -228,8 +231,14 @@ class TaskDistribution:
     for f in self.budget_fractions:
       if f is not None and not -1 < f != 0:
         raise WorkloadError(f"budget fractions are above -1 and not 0, got {f}")
-    if self.batch_per_device is not None and self.batch_per_device < 1:
+    if not self.batches or any(b is not None and b < 1 for b in self.batches):
       raise WorkloadError(f"batch_per_device must be positive, got {self.batch_per_device}")
+
+  @property
+  def batches(self) -> tuple:
+    """The examples per device drawn from (None: each spec's own batch)."""
+    b = self.batch_per_device
+    return tuple(b) if isinstance(b, (tuple, list)) else (b,)
 
   @classmethod
   def from_split(cls, split: str, preset: str = "small", **kwargs) -> "TaskDistribution":
@@ -237,12 +246,17 @@ class TaskDistribution:
     import corpus
     return cls(tuple(f"{name}:{preset}" for name in corpus.split(split)), **kwargs)
 
-  def task(self, model: str, mesh: str, hardware: str) -> Task:
-    return Task(weak_scaled(model, mesh, self.batch_per_device), mesh, hardware)
+  def task(self, model: str, mesh: str, hardware: str, batch_per_device=None) -> Task:
+    """The task of `model` on `mesh` at `batch_per_device` (default: the first drawn from)."""
+    per_device = self.batches[0] if batch_per_device is None else batch_per_device
+    return Task(weak_scaled(model, mesh, per_device), mesh, hardware)
 
   def sample(self, rng: np.random.Generator) -> Task:
     pick = lambda xs: xs[int(rng.integers(len(xs)))]
-    task = self.task(pick(self.models), pick(self.meshes), pick(self.hardware))
+    model, mesh, hardware = pick(self.models), pick(self.meshes), pick(self.hardware)
+    # A single count draws nothing, so that runs from before several were possible draw alike.
+    batches = self.batches
+    task = self.task(model, mesh, hardware, pick(batches) if len(batches) > 1 else batches[0])
     fraction = pick(self.budget_fractions)
     if fraction is None:
       return task
@@ -251,8 +265,8 @@ class TaskDistribution:
   def tasks(self) -> Sequence[Task]:
     """Every (model, mesh, hardware, budget) the distribution draws from."""
     out = []
-    for task in (self.task(m, mesh, hw) for m in self.models for mesh in self.meshes
-                 for hw in self.hardware):
+    for task in (self.task(m, mesh, hw, b) for m in self.models for mesh in self.meshes
+                 for hw in self.hardware for b in self.batches):
       out += [task if f is None else dataclasses.replace(task, memory_budget=tight_budget(task, f))
               for f in self.budget_fractions]
     return out

@@ -100,9 +100,10 @@ def add_parser(sub) -> None:
                  "the train split at --preset with its batch-size variants)")
   p.add_argument("--heldout", help="evaluation models separated by ';' (default: the held-out "
                  "split at --preset)")
-  p.add_argument("--batch-per-device", type=int, help="weak scaling: each training and "
-                 "evaluation model's batch is this many examples per device of its mesh "
-                 "(default: the batch its spec or preset names)")
+  p.add_argument("--batch-per-device", help="weak scaling: each training and "
+                 "evaluation model's batch is this many examples per device of its mesh; "
+                 "several separated by ',' are drawn per task (evaluation at the first), e.g. "
+                 "2,1 (default: the batch its spec or preset names)")
   p.add_argument("--budgets", help="memory budgets of the training tasks separated by ',': "
                  "device (the device's memory) or a fraction from the smallest peak an expert "
                  "strategy reaches (0) to data parallelism's (1); below 0, down to -1, toward "
@@ -156,6 +157,19 @@ def _budget(text: str) -> float | None:
     raise ShardzeroError(f"--budgets takes 'device' or fractions, got {text!r}") from None
 
 
+def _per_device(text: str) -> int | tuple[int, ...]:
+  """--batch-per-device: one count, or several drawn from per task."""
+  from partitioner.errors import ShardzeroError
+  try:
+    counts = tuple(int(c) for c in text.split(",") if c.strip())
+  except ValueError:
+    counts = ()
+  if not counts or min(counts) < 1:
+    raise ShardzeroError(f"--batch-per-device takes positive counts separated by ',', got "
+                         f"{text!r}")
+  return counts[0] if len(counts) == 1 else counts
+
+
 def make_config(args):
   import corpus
   from learners.run_config import RunConfig
@@ -171,11 +185,12 @@ def make_config(args):
   changes = {}
   for name, key in (("algorithm", "algorithm"), ("actors", "actors"), ("steps", "steps"),
                     ("preset", "preset"), ("max_steps", "max_steps"), ("seed", "seed"),
-                    ("checkpoint_every", "checkpoint_every"), ("eval_every", "eval_every_s"),
-                    ("batch_per_device", "batch_per_device")):
+                    ("checkpoint_every", "checkpoint_every"), ("eval_every", "eval_every_s")):
     value = getattr(args, name)
     if value is not None:
       changes[key] = value
+  if args.batch_per_device:
+    changes["batch_per_device"] = _per_device(args.batch_per_device)
   for name in ("meshes", "models", "heldout"):
     text = getattr(args, name)
     if text:
@@ -191,10 +206,8 @@ def make_config(args):
       raise ShardzeroError(f"--set takes KEY=VALUE, got {item!r}")
     settings[key.strip()] = _parse_value(value.strip())
   config = dataclasses.replace(config, **changes, settings=settings)
-  if config.actors < 1 or config.steps < 0 or config.checkpoint_every < 1 or (
-      config.batch_per_device is not None and config.batch_per_device < 1):
-    raise ShardzeroError("--actors, --checkpoint-every and --batch-per-device must be positive, "
-                         "--steps not negative")
+  if config.actors < 1 or config.steps < 0 or config.checkpoint_every < 1:
+    raise ShardzeroError("--actors and --checkpoint-every must be positive, --steps not negative")
   config.builder()          # unknown settings fail here, before any process starts
   for mesh in config.meshes + (config.eval_mesh,):
     Mesh.parse(mesh)

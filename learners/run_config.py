@@ -25,7 +25,8 @@ class RunConfig:
   budget_fractions: tuple = (None, 0.5)
   eval_mesh: str = "batch=4,model=2"
   max_steps: int = 12                 # actions per episode
-  batch_per_device: int | None = None  # weak scaling: each model's batch grows with its mesh
+  batch_per_device: int | tuple | None = None  # weak scaling: each model's batch grows with
+                                               # its mesh (several: drawn per task)
   steps: int = 100                    # learner updates
   actors: int = 2
   seed: int = 0
@@ -59,6 +60,8 @@ class RunConfig:
     unknown = set(data) - fields
     if unknown:
       raise ShardzeroError(f"{path}: unknown settings {sorted(unknown)}")
+    if isinstance(data.get("batch_per_device"), list):
+      data["batch_per_device"] = tuple(data["batch_per_device"])
     for key in ("meshes", "budget_fractions", "sizes", "models", "heldout"):
       if key in data:
         data[key] = tuple(data[key])
@@ -99,8 +102,6 @@ class RunConfig:
     return [self._eval_task(model) for model in self.train_tasks().models]
 
   def _eval_task(self, model: str):
-    """`model` on the evaluation mesh, its batch scaled as the training tasks' are."""
-    from environments import Task
-    from environments.tasks import weak_scaled
-    return Task(weak_scaled(model, self.eval_mesh, self.batch_per_device), self.eval_mesh,
-                self.hardware)
+    """`model` on the evaluation mesh, its batch scaled as the training tasks' are (at the
+    first count where they draw from several)."""
+    return self.train_tasks().task(model, self.eval_mesh, self.hardware)

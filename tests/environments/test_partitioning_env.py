@@ -385,7 +385,7 @@ def test_task_distribution_from_split_and_budgets():
       TaskDistribution(("mlp:small",), budget_fractions=(bad,))
 
 
-def test_weak_scaled_distributions_grow_the_batch_with_the_mesh():
+def test_weak_scaled_distributions_grow_the_batch_with_the_mesh(tmp_path):
   """Training with `batch_per_device` pairs each model with a batch of that many examples per
   device of its mesh, as `shardzero evaluate --batch-per-device` does; the run's evaluation
   tasks follow."""
@@ -405,6 +405,18 @@ def test_weak_scaled_distributions_grow_the_batch_with_the_mesh():
   assert config.train_tasks().sample(np.random.default_rng(0)).model.startswith("gpt:mini,batch=")
   assert [t.model for t in config.heldout_tasks()] == ["t5:mini,batch=16"]
   assert [t.model for t in config.train_eval_tasks()] == ["gpt:mini,batch=16"]
+  # Several counts: every task at each, drawn alike; evaluation at the first.
+  both = dataclasses.replace(dist, batch_per_device=(2, 1))
+  assert [t.model for t in both.tasks()][:2] == ["gpt:mini,batch=16", "gpt:mini,batch=8"]
+  assert len(both.tasks()) == 8
+  drawn = {both.sample(np.random.default_rng(s)).model for s in range(40)}
+  assert {"gpt:mini,batch=8", "gpt:mini,batch=16", "gpt:mini,batch=64"} <= drawn
+  with pytest.raises(WorkloadError, match="positive"):
+    TaskDistribution(("mlp:small",), batch_per_device=(2, 0))
+  config = dataclasses.replace(config, batch_per_device=(2, 1))
+  assert [t.model for t in config.heldout_tasks()] == ["t5:mini,batch=16"]
+  config.save(str(tmp_path))
+  assert RunConfig.load(str(tmp_path)) == config
 
 
 def test_train_variants_demonstrate_more_strategy_families():
