@@ -23,6 +23,7 @@ from partitioner.cost.topology import Placement
 from partitioner.errors import WorkloadError
 from partitioner.ir import Program
 from partitioner.mesh import Mesh
+from partitioner.rules.elementwise import PER_OPERAND
 from partitioner.tactics import tactic_footprint
 
 MAX_RANK = 6      # dimensions beyond this share the last slot
@@ -228,7 +229,11 @@ class StaticGraph:
     self.axis_index = {a: i for i, a in enumerate(slots)}
     nodes = {a: placement.nodes(a) for a in mesh.names}
     values, ops = program.values, program.ops
-    pairs = [(i, o) for op in ops for i in dict.fromkeys(op.inputs) for o in op.outputs]
+    # An edge from each operand to each result; an op that passes operand i to result i alone
+    # (a checkpoint's optimization barrier over 30 values) has those edges only, not 30 x 30.
+    pairs = [pair for op in ops for pair in (
+        zip(op.inputs, op.outputs) if op.name in PER_OPERAND else
+        ((i, o) for i in dict.fromkeys(op.inputs) for o in op.outputs))]
     need = Sizes(len(values), 2 * len(pairs), len(actions))
     self.sizes = pad_to or Sizes.bucket(*need)
     if not self.sizes.covers(need):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from agents.guard import play_guarded
 from agents.search import auto as search
 from learners.policies import PolicyCache
+from launch.runtime import collector_paused
 from partitioner.errors import ScheduleError
 from partitioner.tactics import AutoRequest, Tactic
 
@@ -25,7 +26,8 @@ def solve(request: AutoRequest) -> list[Tactic]:
                         "(policy-guided search)")
   policy = POLICIES(t.policy)
   env = search.sub_environment(request, t.max_steps or policy.max_steps)
-  guarded = play_guarded(env, policy, t.agent, t.budget)
+  with collector_paused():   # a decision of a second or two, as `propose` makes it
+    guarded = play_guarded(env, policy, t.agent, t.budget)
   if not guarded.fits:
     from launch.report import human_bytes
     raise ScheduleError(

@@ -22,7 +22,11 @@ def elementwise(op, program):
   return elementwise_factors(ins, outs)
 
 
-@factor_rule("device_put", "optimization_barrier")
+# Ops whose result i is operand i, each pair independent of the others.
+PER_OPERAND = ("device_put", "optimization_barrier")
+
+
+@factor_rule(*PER_OPERAND)
 def identity_per_operand(op, program):
   """Result i is operand i. Each pair is a factor group of its own: the operands are
   independent, so one mesh axis may shard them all (a rematerialised layer's activations and
