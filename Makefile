@@ -93,7 +93,7 @@ bench: install
 POLICY_RECIPE := --algorithm alphazero --actors 2 --steps 360 \
   --models "gpt:350m;gpt:mini;gpt:mini,scan=True;bert:mini,layers=12;bert:mini;vit:mini,layers=8;vmoe:mini,moe_every=1;mlp:large;mlp:mini;gnn:mini;resnet:mini,image=224;hf_gpt2:mini,style=train_state,dtype=bfloat16;hf_t5:mini;hf_bert:mini" \
   --meshes "batch=2,model=4;batch=8,model=8;batch=32,model=8;data=4,fsdp=8,tensor=8" \
-  --batch-per-device 2,1 --budgets device,0.5,-0.2 --set pretrain_steps=300 --set pretrain_learning_rate=1e-2 \
+  --batch-per-device 2 --budgets device,0.5,-0.2 --set pretrain_steps=300 --set pretrain_learning_rate=1e-2 \
   --set learning_rate=3e-3 --set demonstrations=0.25 --set ema_decay=0.9 \
   --set demonstration_search=64 --no-evaluator
 

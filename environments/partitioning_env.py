@@ -31,7 +31,7 @@ from environments.observations import Sizes, StaticGraph, dynamic_features, obse
 from environments.states import StateCache, StateInfo, ZobristHash
 from environments.tasks import (TASKS, Task, TaskCache, TaskDistribution, folded_program,
                                load_program)
-from partitioner.errors import ShardzeroError
+from partitioner.errors import ShardzeroError, WorkloadError
 from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram
 from partitioner.roles import aliased_outputs
@@ -79,7 +79,10 @@ class TaskContext:
     self.axes = tuple(a for a in mesh.names if axes is None or a in axes)   # what it acts over
     self.actions: list[Action] = action_space(program, mesh, self.points, axes,
                                               cuts=start is None)
-    self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
+    try:
+      self.graph = StaticGraph(program, mesh, self.hardware, self.points, self.actions, pad_to)
+    except WorkloadError as e:   # the padding a training run chose: say which task outgrew it
+      raise WorkloadError(f"{task.model} on {task.mesh}: {e}") from None
     self.finish = len(self.actions) - 1
     self.index = {str(a): i for i, a in enumerate(self.actions)}
     self._members = {m for p in self.points for m in p.members}

@@ -87,3 +87,13 @@ def test_a_barrier_links_each_operand_to_its_own_result_only():
       assert (i, o) in edges and (o, i) in edges
       others = [out for j, out in enumerate(op.outputs) if j != k and op.inputs[j] != i]
       assert not any((i, out) in edges for out in others)
+
+
+def test_a_task_over_the_padding_is_named():
+  """Training pads every observation to one size; a task that outgrows it says which it is."""
+  import pytest
+  from environments.observations import Sizes
+  from partitioner.errors import WorkloadError
+  with pytest.raises(WorkloadError, match=r"mlp:mini on batch=2,model=4: this task needs "
+                                          r"observation sizes \(\d+, \d+, \d+\), more than"):
+    PartitioningEnv(Task("mlp:mini", "batch=2,model=4", "h100"), pad_to=Sizes(16, 16, 4))
