@@ -226,6 +226,24 @@ def test_an_expert_that_fits_the_budget_is_demonstrated_even_when_slower():
   assert env.cost.step_time_s > env.context.root.cost.step_time_s   # slower, but it fits
 
 
+def test_demonstrations_leave_no_task_context_in_the_process_cache():
+  """The learner demonstrates every training task once: their contexts (and the states a
+  search cached in them) are not kept in the process's cache afterwards, and each tight
+  budget's demonstration still ends within its budget."""
+  from agents.alphazero.demonstrations import demonstration_items
+  from environments import EnvConfig, TaskDistribution
+  from environments.observations import Sizes
+  from environments.tasks import TASKS
+  tasks = TaskDistribution(("resnet:mini,batch=64", "mlp:mini"), meshes=("batch=4,model=2",),
+                           budget_fractions=(None, 0.7)).tasks()
+  sizes = Sizes(4096, 8192, 512)
+  items = demonstration_items(tasks, sizes, EnvConfig(), log=None)
+  assert items
+  for task in tasks:
+    assert TASKS.contexts.get((dataclasses.replace(task, memory_budget=None), sizes, True)) is None
+  assert all(item["observation"]["node_mask"].shape == (4096,) for item in items)
+
+
 def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
   """Where a plain search beats every expert, the demonstration is the search's plan, without
   the moves that gain less than PRUNE_TOLERANCE of the step."""
