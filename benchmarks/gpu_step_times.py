@@ -117,7 +117,7 @@ def integer_bounds(model: str) -> list:
   import numpy as np
   import corpus
   from corpus import registry
-  if model.partition(":")[0] not in corpus.FAMILIES:
+  if registry.family_of(model) is None:
     return [int(np.asarray(a).max()) if np.issubdtype(a.dtype, np.integer) else None
             for a in jax.tree.leaves(corpus.load(model, abstract=False).args)]
   family, config = registry.parse(model)

@@ -78,8 +78,7 @@ class ILPActor(PlanningActor):
 
   def plan(self, env: SearchEnvironment) -> Plan:
     self.solution = solve(env, self.time_limit_s, self.manual, self.rounds)
-    for a in self.solution.actions:
-      env.step(a)
+    play(env, self.solution.actions)
     cut = cut_if_over(env)
     play(env, cut)
     actions = self.solution.actions + cut + ((env.finish_action,) if not env.done else ())
