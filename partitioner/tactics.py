@@ -16,6 +16,8 @@ import re
 import time
 from typing import ClassVar, NamedTuple, Protocol, Sequence
 
+import numpy as np
+
 from partitioner import roles as R
 from partitioner.errors import PatternError, ScheduleError, ShardzeroError
 from partitioner.partial_sums import accumulators
@@ -306,7 +308,27 @@ class BatchParallel(Tactic):
       ctx.tile(vid, R.batch_dim(ctx.program, vid) if self.dim is None else self.dim, self.axis)
     for vid in rest:
       ctx.notes.append(f"left {ctx.program.name(vid)} unsplit: its batch size differs")
+    if ctx.program.microbatches > 1 and self.dim is None and picked:
+      self._note_short_microbatch(ctx, picked[0])
     ctx.propagate()
+
+  def _note_short_microbatch(self, ctx, vid: int) -> None:
+    """In a step cut into micro-batches, one micro-batch is what the devices split: where it
+    holds fewer examples than they divide into, the devices it does not reach gather the
+    micro-batch and repeat its work (a device's one example cannot be cut further), unless a
+    later tactic gives the axis another dimension to split."""
+    d = R.batch_dim(ctx.program, vid)
+    axes = ctx.state.dims[vid][d]
+    if self.axis not in axes:
+      return
+    size = ctx.program.values[vid].shape[d] // ctx.program.microbatches
+    before = int(np.prod([ctx.mesh.size(a) for a in axes if a != self.axis]))
+    if size % before == 0 and size % (before * ctx.mesh.size(self.axis)):
+      ctx.notes.append(
+          f"a micro-batch of {size} examples does not split over {'+'.join(axes)} "
+          f"({before * ctx.mesh.size(self.axis)} devices): the devices it does not reach over "
+          f"{self.axis} gather it and repeat its work, unless a later tactic splits another "
+          f"dimension over {self.axis} (fewer micro-batches avoid it)")
 
 
 @register

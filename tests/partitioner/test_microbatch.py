@@ -114,6 +114,27 @@ def test_activations_shrink_and_the_gradients_are_reduced_once_after_the_loop():
   assert reduced[0] == reduced[1] == reduced[2]
 
 
+def test_a_micro_batch_smaller_than_the_devices_it_is_split_over_is_named_and_priced():
+  """A micro-batch of 2 examples over data=2,fsdp=2,tensor=2: fsdp and tensor find no example
+  of their own, gather the micro-batch and repeat its work. `BatchParallel(fsdp)` says so,
+  once, and the predicted computation grows with the repeated work."""
+  workload = corpus.load("gpt:mini,batch=8", abstract=True)
+  program = P.trace(workload.fn, *workload.args)
+  mesh, split = "data=2,fsdp=2,tensor=2", "BatchParallel(data); BatchParallel(fsdp); " \
+      "BatchParallel(tensor)"
+  compute, notes = [], []
+  for k in (1, 2, 4):
+    pp = P.apply(program, mesh, ("" if k == 1 else f"Microbatch({k}); ") + split)
+    compute.append(simulate(pp, "h100").compute_s)
+    notes.append([(r.tactic, n) for r in pp.reports for n in r.notes if "micro-batch of" in n])
+  assert notes[0] == []
+  assert notes[1] == [("BatchParallel(tensor)", notes[1][0][1])]
+  assert "micro-batch of 4 examples does not split over data+fsdp+tensor (8 devices)" in \
+      notes[1][0][1]
+  assert [t for t, _ in notes[2]] == ["BatchParallel(fsdp)"]
+  assert compute[0] < compute[1] < compute[2]
+
+
 def test_a_loss_divided_by_a_count_over_the_batch_divides_by_the_whole_batch_count():
   _cut_exactly(*_mlp_step(normalise_by_mask=True), 2)
 
