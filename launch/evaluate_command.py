@@ -296,6 +296,12 @@ def _plot(rows, directory: str) -> list[str]:
   os.makedirs(directory, exist_ok=True)
   ok = [r for r in rows if r.get("ratio") is not None]
   agents = list(dict.fromkeys(r["agent"] for r in ok))
+  # One look per agent however many there are: 20 colours, then other markers and dashes.
+  colours, markers = plt.get_cmap("tab20").colors, "osD^vP*Xph"
+  style = {a: {"color": colours[i % 20], "marker": markers[i % len(markers)]}
+           for i, a in enumerate(agents)}
+  lines = {a: "-" if i < 20 else "--" for i, a in enumerate(agents)}
+  legend = dict(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
   paths = []
 
   def save(fig, name):
@@ -305,28 +311,28 @@ def _plot(rows, directory: str) -> list[str]:
     plt.close(fig)
     paths.append(path)
 
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(9, 4.5))
   for a in agents:
     devices = sorted({r["devices"] for r in ok if r["agent"] == a})
     means = [sum(r["ratio"] for r in ok if r["agent"] == a and r["devices"] == d) /
              sum(1 for r in ok if r["agent"] == a and r["devices"] == d) for d in devices]
-    ax.plot(devices, means, marker="o", label=a)
+    ax.plot(devices, means, ls=lines[a], label=a, **style[a])
   ticks = sorted({r["devices"] for r in ok})
   ax.set_xscale("log", base=2)
   ax.set_xticks(ticks, [str(d) for d in ticks])
   ax.set(xlabel="devices", ylabel="mean step time / best known",
          title="ratio to best known by scale")
   ax.axhline(1.1, color="grey", lw=0.8, ls="--")
-  ax.legend(fontsize=8)
+  ax.legend(**legend)
   save(fig, "ratio_by_devices.png")
 
   def scatter(x, y, title, **axes):
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for a in agents:
-      ax.plot(*zip(*sorted((x(r), y(r)) for r in ok if r["agent"] == a)), marker="o", ls="",
-              alpha=0.7, label=a)
+      ax.plot(*zip(*sorted((x(r), y(r)) for r in ok if r["agent"] == a)), ls="", alpha=0.7,
+              label=a, **style[a])
     ax.set(xscale="log", title=title, **axes)
-    ax.legend(fontsize=8)
+    ax.legend(**legend)
     return fig, ax
 
   fig, ax = scatter(lambda r: r["parameters"], lambda r: r["ratio"],
