@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import re
 import time
 from typing import ClassVar, NamedTuple, Protocol, Sequence
-
-import numpy as np
 
 from partitioner import roles as R
 from partitioner.errors import PatternError, ScheduleError, ShardzeroError
@@ -322,7 +321,7 @@ class BatchParallel(Tactic):
     if self.axis not in axes:
       return
     size = ctx.program.values[vid].shape[d] // ctx.program.microbatches
-    before = int(np.prod([ctx.mesh.size(a) for a in axes if a != self.axis]))
+    before = math.prod(ctx.mesh.size(a) for a in axes if a != self.axis)
     if size % before == 0 and size % (before * ctx.mesh.size(self.axis)):
       ctx.notes.append(
           f"a micro-batch of {size} examples does not split over {'+'.join(axes)} "
