@@ -451,8 +451,9 @@ MICROBATCHED_NOTES = [  # what the measurements showed, measured on 2026-11-28
     "Cutting costs what the simulator says it costs: time over the uncut step 0.99-1.16 "
     "measured against 1.01-1.16 predicted, memory over the uncut step 0.15-0.75 measured "
     "against 0.15-0.74 predicted (the hf_llama rows at k=4: 0.39 measured, 0.35 predicted).",
-    "The predicted peak is under XLA's footprint by 2-15% (0.85-0.98), on hf_gpt2 by the "
-    "same share at every k (0.87-0.88). Its uncut step's buffer assignment (XLA's scheduled "
+    "The predicted peak is under XLA's footprint by 1-14% (0.86-0.99; cost model 13), on "
+    "hf_gpt2 by about the same share at every k (0.90-0.92). Under cost model 12 (0.87-0.88 "
+    "there) its uncut step's buffer assignment (XLA's scheduled "
     "HLO, a liveness pass over it: 84.1 GiB of temporaries at the peak against XLA's 83.1) "
     "peaks where the simulator does, at the logits gradient's pad: the attention and MLP "
     "buffers agree (36.4 against 36.0 GiB, 13.9 against 13.5), but XLA holds four "

@@ -203,64 +203,62 @@ MEMORY_DIFFERENCES = """Where the two differ by more than 10%, or the prediction
 assignment shows why. Part of XLA's figure is no value at all: its temporaries share one
 buffer, packed by a heap simulator, and what the packing leaves unused counts in the
 footprint. The bytes live at XLA's peak (its buffer assignment's "Live ranges at N (peak)")
-are below the footprint by 0.3 MiB on the MLP's dp, 0.6 MiB on t5, 1.35 MiB on gnn's
-dp+megatron, 2.4-5.3 MiB on hf_t5 and under 0.1 MiB on the other cases below.
+are below the footprint by 0.3 MiB on the MLP's dp, 1.35 MiB on gnn's dp+megatron and
+2.4-5.3 MiB on hf_t5 (measured under cost model 12; XLA's side has not changed since).
 
-- Over-predicted, unet (1.33-1.38): the simulator keeps 20.2 MiB of activations for the
-  backward pass where XLA's whole temporary space is 17.6 MiB; XLA recomputes the GroupNorm
-  and activation results inside the backward pass's fused kernels instead of keeping them,
-  while the simulator keeps every forward value the backward pass reads, bar views and
-  one-operand conversions. The Megatron cases of BERT, T5, MoE and the HF BERT and ViT
-  (1.12-1.20) are probably the same (LayerNorm, GELU); not checked one by one. An
-  over-predicted plan is refused where it would have fitted, never the reverse.
+- Cost model 13 gave a view of a value computed inside a kernel a buffer: a bias added and
+  reshaped into heads, a concatenation reshaped, read by a matmul and kept for the backward
+  pass. XLA's kernel writes the reshaped array; the simulator had given the view no buffer
+  (it is a bitcast of its source) and the source none either (it never leaves the kernel), so
+  the value was counted nowhere. That is what had put gpt, bert and t5 (dp, zero3), vit (dp,
+  zero3) and hf_gpt2's zero3 2-10% under (now 1.00-1.05), and gnn 29-39% under (the
+  interleaved concatenation of its edge features, cost model 7, made that pattern of every
+  edge update). The same fix moved the GPU tables' vit, gnn and t5 from 0.73-0.94 to 0.86-1.16
+  of XLA:GPU's footprint (below).
+- Over-predicted, unet (1.54-1.61): the simulator keeps every forward value the backward pass
+  reads, bar views and one-operand conversions, where XLA recomputes the GroupNorm and
+  activation results inside the backward pass's fused kernels (XLA's whole temporary space
+  is 17.6 MiB at zero3). The Megatron cases (1.11-1.33: bert, t5, moe, vit and the HF
+  models) are probably the same (LayerNorm, GELU); not checked one by one. An over-predicted
+  plan is refused where it would have fitted, never the reverse.
 - Under-predicted, the MLP at batch 4096 (0.65-0.90): a model this small is dominated by
   what XLA:CPU adds around it, such as a copy of each donated weight read before its update
   (copy insertion). Under dp+megatron XLA also all-gathers a (2048, 256) relu input over
   `model` to form relu's mask, a collective the plan does not have (2 MiB per device, half
   the gap); sharding constraints on every operand of the ops involved do not stop it.
-- Under-predicted, hf_t5 (0.82-0.86; against the live bytes at XLA's peak 0.85-0.91). Under
-  dp, XLA:CPU's copy insertion copies the donated weights at the start of the step and keeps
-  the copies until the backward pass ends (14.0 MiB of `copy` buffers at the peak, about
-  every weight once), the same mechanism as the MLP's. Under zero3 and dp+megatron, where
-  the copies are of shards and small, XLA's peak holds 6 MiB of ReLU-backward selects
-  (`compare_select` fusions, f32, of the feed-forward width; two of them made some 400 to 500
-  positions of its schedule before they are read) next to the ReLU outputs and residuals the
-  simulator also keeps: that is 6 of zero3's 7.9 MiB of live gap. Under dp+megatron (16.4
-  MiB of live gap), counting the encoder's 2 MiB buffers at each peak by the op that makes
-  them: XLA keeps the four all-reduced row-parallel outputs as buffers of their own next to
-  the residual sums made from them (8 MiB), two ReLU-backward selects (4 MiB), one more
-  residual sum and one more pre-activation (4 MiB), and fuses two log-softmax subtractions
-  that the simulator keeps (-4 MiB); the decoder's 1 MiB buffers add the same pattern at
-  half the size (4 MiB).
-- Under-predicted by 7-10%, vit (dp, zero3) and gpt (zero3). XLA:CPU rewrites a reduction over
-  more than 32 elements into a reduce-window of 32 and a reduce (its tree-reduction rewrite,
-  for accuracy). The elementwise product that feeds the reduction is then not fused into it:
-  it is a kernel of its own (`multiply_multiply_fusion`) with an attention-sized buffer, in
-  the softmax backward pass of every layer. The simulator fuses it into the reduction. That
-  buffer is 1.0 MiB of vit's 1.1 MiB gap and 0.5 MiB of gpt zero3's 0.4 MiB. Vit's peak also holds two MLP-sized buffers (0.5 MiB each) made in the
-  backward pass and kept for 300 to 400 positions of XLA's schedule.
-- Under-predicted by 8-12%, gnn (dp, zero3, dp+megatron): XLA orders the backward pass of an
+- Under-predicted, hf_t5 (0.85-0.88). Under dp, XLA:CPU's copy insertion copies the donated
+  weights at the start of the step and keeps the copies until the backward pass ends (14.0
+  MiB of `copy` buffers at the peak, about every weight once), the same mechanism as the
+  MLP's. Under zero3 and dp+megatron, where the copies are of shards and small, XLA's peak
+  holds 6 MiB of ReLU-backward selects (`compare_select` fusions, f32, of the feed-forward
+  width; two of them made some 400 to 500 positions of its schedule before they are read)
+  next to the ReLU outputs and residuals the simulator also keeps. Under dp+megatron XLA also
+  keeps the four all-reduced row-parallel outputs of each encoder block as buffers of their
+  own next to the residual sums made from them.
+- Under-predicted by 7-11%, gnn (dp, zero3, dp+megatron): XLA orders the backward pass of an
   edge update differently from the program. It computes the input gradient of the
-  concatenated edge features before the weight gradient that reads them, so a (32, 256, 96)
+  concatenated edge features before the weight gradient that reads them, so the (32, 256, 96)
   residual and that gradient are live together (0.75 MiB each). In program order the
   simulator frees the residual first. The simulator's liveness follows the traced program's
   order; XLA's scheduler is free to reorder.
-- Under-predicted by 6-8%, t5:small (dp, zero3): the heap packing. The bytes live at XLA's
-  peak are 11.25 and 8.81 MiB against the predicted 11.17 and 8.61 (0.99 and 0.98); the
-  rest of the footprint (0.6 MiB in both) is what the packing of the temporary buffer
-  leaves unused.
+- XLA:CPU fuses into a reduction only a reduction over the minor dimension of 32 elements or
+  fewer (its tree-reduction rewrite puts a reduce-window, which fuses nothing, in front of
+  longer ones; cpu_instruction_fusion does not fuse reductions over major dimensions). The
+  `cpu` fusion model does the same since cost model 13: the product a softmax's backward
+  pass sums is stored. It changes time more than peaks (none of the rows above moved by it
+  but hf_vit's dp+megatron, 1.26 -> 1.29).
 - Not in the table: a step written with `jax.checkpoint` (`gpt:small,batch=32,seq=64,remat=true`,
-  state donated, batch=2,model=4) is predicted at 0.66 (dp), 0.51 (zero3) and 0.59 (dp+megatron)
-  of XLA:CPU's footprint, against 0.95, 0.93 and 1.10 without remat. XLA:CPU does recompute
-  (127 dots against 99 on 4 layers) but keeps far more than the simulator, which prices the
-  recomputation as XLA:GPU runs it (on one H200 `gpt:1.3b` at batch 16: 0.89, the GPU section
+  state donated, batch=2,model=4) is predicted at 0.67 (dp), 0.52 (zero3) and 0.60
+  (dp+megatron) of XLA:CPU's footprint. XLA:CPU does recompute (127 dots
+  against 99 on 4 layers) but keeps far more than the simulator, which prices the
+  recomputation as XLA:GPU runs it (on one H200 `gpt:1.3b` at batch 16: 0.90, the GPU section
   below). Not modelled for the `cpu` hardware.
 
-These under-predictions come from XLA:CPU's copy insertion, fusion, scheduling and buffer
-packing choices that the traced program does not fix. None of them is a value the simulator
-forgets. The simulator's fusion model is per hardware (`partitioner/cost/fusion.py`): the
-`cpu` hardware these rows use keeps run-order fusion, fitted to these tables; GPUs and TPUs
-fuse as XLA:GPU does (the GPU tables below).
+These under-predictions come from XLA:CPU's copy insertion, scheduling and buffer packing
+choices that the traced program does not fix. The simulator's fusion model is per hardware
+(`partitioner/cost/fusion.py`): the `cpu` hardware these rows use fuses runs of consecutive
+ops under XLA:CPU's rules for reductions; GPUs and TPUs fuse as XLA:GPU does (the GPU tables
+below).
 
 Before deferred partial sums and the ZeRO-3 optimization barrier (cost model 3) XLA's CSE
 merged the forward and backward gathers of every ZeRO-3 parameter and kept them alive for the

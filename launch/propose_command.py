@@ -31,7 +31,7 @@ HSDP, Megatron and their mixtures; the family's expert strategies for corpus mod
 costed from the same start, and the best plan by the simulator wins: what fits the memory
 budget before what does not, then the fastest. The output says which won and by how much.
 A plan fits when its predicted peak is within the budget less --memory-margin (10% by
-default), since the simulator's peaks can run under XLA's footprint (by 2-15% on the steps
+default), since the simulator's peaks can run under XLA's footprint (by 1-14% on the steps
 measured on one H200: docs/validation.md; raise it where a plan must not fail). The fastest
 plans that do not fit (where nothing fits, or where they are faster than the answer) are tried
 again with the batch cut into 2, 4, 8... micro-batches (Microbatch: gradient accumulation;
@@ -65,7 +65,7 @@ def add_parser(sub) -> None:
   p.add_argument("--memory-margin", type=float, default=MARGIN, metavar="FRACTION",
                  help="share of the budget kept free: the plan's predicted peak must fit in "
                       f"(1 - FRACTION) of it; default {MARGIN} (the simulator's peaks run "
-                      "under XLA's by more than that in 5 of 41 validation cases, "
+                      "under XLA:CPU's by more than that in 7 of 42 validation cases, "
                       "docs/validation.md); 0 plans to the byte")
   p.add_argument("--search", choices=("greedy", "mcts"), default="greedy",
                  help="greedy decoding (default) or policy-guided MCTS")

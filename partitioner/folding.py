@@ -45,13 +45,15 @@ class Folding(NamedTuple):
   middle: np.ndarray         # per op: in the middle layer
   block: np.ndarray          # per op: the run of middle or outer ops it belongs to
 
-  def buffers(self, last_run: np.ndarray | None = None) -> Buffers:
+  def buffers(self, last_run: np.ndarray | None = None,
+              internal: np.ndarray | None = None) -> Buffers:
     """A buffer stands for depth - 2 when the deep program holds one per middle layer at once:
     the middle layer's parameters and optimizer state (inputs it reads last), and what one of
     its blocks hands to another (kept activations, gradients for the optimizer, its new
     parameters). What one block makes and drops, or hands along a chain between layers (a
     gradient flowing back), is live for one layer at a time. `last_run` (per op): where a
-    fused op's operands are last read, when a later kernel computes it again."""
+    fused op's operands are last read, when a later kernel computes it again; `internal` (per
+    value): computed inside a kernel, never stored (`memory.bufferless`)."""
     three, middle, block, depth = self.program, self.middle, self.block, self.depth
     outputs = set(three.outputs)
     value_weight = np.ones(len(three.values))
@@ -62,7 +64,7 @@ class Folding(NamedTuple):
     from partitioner.cost.memory import bufferless, readers_with_views
     # A value read through a view or a fused conversion is read where those are (it is what
     # the deep program stores).
-    for v, readers in enumerate(readers_with_views(three, bufferless(three))):
+    for v, readers in enumerate(readers_with_views(three, bufferless(three, internal))):
       # A middle op fused into a kernel that runs after the middle layer (the optimizer's, a
       # global norm's) reads the value there, every layer's copy of it at once.
       late = last_run is not None and any(

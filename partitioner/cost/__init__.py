@@ -12,9 +12,12 @@
 # gradients reduced once after a pipeline's loops, not in every iteration; 12: `StageScatter`
 # gathers a hand-over where a stage's layers read it, and the layers stay sharded as before,
 # where the split features used to run through the layers; a scatter-add updates in place and,
-# on GPUs, fuses the producers of its updates), so that
+# on GPUs, fuses the producers of its updates; 13: a view of a value computed inside a kernel
+# (a concatenation or a bias reshaped, held to the backward pass) is what that kernel stores,
+# where it had no buffer at all; XLA:CPU's reductions fuse what they read only over the minor
+# dimension and 32 elements or fewer, partitioner/cost/fusion.py), so that
 # stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 12
+COST_MODEL_VERSION = 13
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

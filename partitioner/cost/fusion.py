@@ -3,7 +3,8 @@
 A hardware names one of two models (`Hardware.fusion`), each fitted to what XLA does there:
 
 - `consecutive` (XLA:CPU, `docs/validation.md`'s CPU tables): runs of fusible ops that are
-  consecutive in the order ops run, joined by values passed inside the run.
+  consecutive in the order ops run, joined by values passed inside the run; a reduction fuses
+  what it reads only where XLA:CPU's rules let it (`_cpu_fuses_operand`).
 - `producer` (XLA:GPU, measured on an H100 from the kernels of XLA's optimised programs): an
   elementwise or shape op fuses into the ops that read its result when all of them can fuse it,
   wherever they run (a scatter-add fuses the producers of its updates, and ends its kernel).
@@ -49,16 +50,19 @@ def kernels(program: Program, order: Sequence[int], fusible: Sequence[bool],
 def _consecutive(program, order, fusible, is_reduce, read_scale) -> Kernels:
   """A value stays in a kernel when a fusible op makes it and all its readers are in the same
   kernel; reductions end a kernel (their result is needed whole before it is used), and a value
-  a reduction reads stays in memory if anything else reads it too (softmax's exp)."""
+  a reduction reads stays in memory if anything else reads it too (softmax's exp) or if the
+  reduction does not fuse what it reads (`_cpu_fuses_operand`)."""
   ops, users = program.ops, program.users
   outputs = set(program.outputs)
+  fuses = [fusible[op.index] and (not is_reduce[op.index] or _cpu_fuses_operand(op, program))
+           for op in ops]
   candidate = np.zeros(len(program.values), bool)
   for op in ops:
     if fusible[op.index] and not is_reduce[op.index]:
       for v in op.outputs:
         readers = users[v]
         candidate[v] = (v not in outputs and bool(readers) and
-                        all(fusible[u] for u in readers) and
+                        all(fuses[u] for u in readers) and
                         not (len(readers) > 1 and any(is_reduce[u] for u in readers)))
   producer = [v.producer for v in program.values]
   group, current, previous = [0] * len(ops), -1, -1
@@ -79,6 +83,26 @@ def _consecutive(program, order, fusible, is_reduce, read_scale) -> Kernels:
   n = len(ops)
   return Kernels(np.array(group, np.int64), current + 1, internal,
                  np.asarray(read_scale, np.float64), np.arange(n, dtype=np.int64))
+
+
+# XLA:CPU rewrites a reduction with a reduced dimension longer than this into a reduce-window
+# of this size and a reduction of its result, for accuracy (TreeReductionRewriter, run before
+# fusion with its default window of 32).
+CPU_TREE_REDUCTION_WINDOW = 32
+
+
+def _cpu_fuses_operand(op, program) -> bool:
+  """Whether XLA:CPU computes a reduction's operand inside the reduction's kernel. Not when a
+  reduced dimension is longer than `CPU_TREE_REDUCTION_WINDOW` (the tree-reduction rewrite puts
+  a reduce-window in front, and XLA:CPU fuses nothing into a reduce-window), nor when the
+  reduction leaves the minor (last) dimension (cpu_instruction_fusion: "not fusing reductions
+  over major dimensions"). The shapes are the program's, not a device's: a reduced dimension
+  split so finely that its share is 32 or less is still counted as rewritten."""
+  shape = program.values[op.inputs[0]].shape
+  axes = {a % len(shape) for a in op.params.get("axes", ())} if shape else set()
+  variadic = op.name in ("argmax", "argmin")   # value and index: the rewrite skips these
+  return (len(shape) - 1 in axes and
+          (variadic or all(shape[a] <= CPU_TREE_REDUCTION_WINDOW for a in axes)))
 
 
 def _producer(program, order, fusible, is_reduce, read_scale) -> Kernels:

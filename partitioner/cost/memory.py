@@ -97,7 +97,7 @@ class ProgramLiveness:
         death[v] = -2  # written into its input's buffer (donation)
       elif death[v] != -2 or v in program._input_pos:
         death[v] = n_ops
-    roots = bufferless(program)
+    roots = bufferless(program, work.internal)
     for v, r in roots.items():       # a stored value lives as long as what is computed from it
       if r >= 0 and death[v] >= -1 and death[r] >= -1:
         death[r] = max(death[r], death[v])
@@ -140,7 +140,7 @@ class ProgramLiveness:
     self.fixed_input = np.nonzero(self.buffer_kind[self.fixed] == 0)[0]
     self.folding = folding
     if folding is not None:
-      self.fold = fold = folding.buffers(work.last_run)
+      self.fold = fold = folding.buffers(work.last_run, work.internal)
       weight = fold.value_weight[self.buffers]
       self.many = np.nonzero(weight > 1)[0]              # buffers standing for several
       self.many_values, self.many_extra = self.buffers[self.many], weight[self.many] - 1
@@ -166,7 +166,7 @@ stop_gradient copy square integer_pow add add_any sub mul max min and or xor eq 
 select_n clamp""".split())
 
 
-def bufferless(program) -> dict[int, int]:
+def bufferless(program, internal=None) -> dict[int, int]:
   """Values XLA gives no buffer of their own, each mapped to the stored value it is computed
   from (-1: to none, it is never made): a reshape is a bitcast of its operand; a broadcast,
   and a slice or a cheap elementwise op of one operand (the others constants: x * 2, -x,
@@ -176,7 +176,8 @@ def bufferless(program) -> dict[int, int]:
   its operands. (Cheap ops of two operands are stored:
   recomputing them too matched XLA on data parallelism but under-predicted Megatron layouts by
   up to 20%.) Results the step returns and values crossing a loop boundary keep their
-  buffers."""
+  buffers, and so does a value made from one that is `internal` (per value: computed inside a
+  kernel, never stored): a concatenation or a bias reshaped is what its kernel writes."""
   from partitioner.cost.compute import FUSIBLE
   region, users, values = program.region_of, program.users, program.values
   outputs = set(program.outputs)
@@ -206,6 +207,8 @@ def bufferless(program) -> dict[int, int]:
       continue
     made = values[source].producer
     if made is not None and region[made] != region[op.index]:
+      continue
+    if internal is not None and internal[root.get(source, source)]:
       continue
     root[v] = root.get(source, source)
   for op in program.ops:

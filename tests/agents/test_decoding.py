@@ -108,7 +108,7 @@ def test_a_best_state_over_the_budget_ends_with_the_policy_s_first_cut_that_fits
 
 
 def test_a_line_over_the_budget_is_cut_where_it_pays_most_walking_back():
-  """gpt:mini at 8 sequences a device on 32 H100s (4 nodes), in half the smallest peak any
+  """gpt:mini at 8 sequences a device on 32 H100s (4 nodes), in 45% of the smallest peak any
   hand schedule reaches. The line's best state ends with ZeRO-3 over the batch axis, across
   nodes; it ended cutting into 2, which does not fit. Cut the policy's way (its smallest count
   that fits, here), the state before that ZeRO is faster, and the one before that fits no cut:
@@ -116,7 +116,7 @@ def test_a_line_over_the_budget_is_cut_where_it_pays_most_walking_back():
   from environments.tasks import smallest_expert_peak
   task = Task("gpt:mini,batch=256", "batch=4,model=8")
   env = PartitioningEnv(Task(task.model, task.mesh, "h100",
-                             int(0.5 * smallest_expert_peak(task))))
+                             int(0.45 * smallest_expert_peak(task))))
   env.reset()
   plan = ("BatchParallel(batch)", "BatchParallel(model)", "ZeRO(model)", "ZeRO(batch)")
   line = iter([*(env.action_index(t) for t in plan), env.action_index("Microbatch(2)")])

@@ -127,16 +127,18 @@ def test_renaming_or_reordering_leaves_the_proposal_unchanged(capsys):
 # step times differ by up to 2.5% between the stacks: JAX 0.10 and optax 0.2.8 trace the same
 # step with other ops (`square` for `integer_pow`, more broadcasts), which fuse otherwise.
 # `make policy` changes the plan, and the cost model its time: measure it again on the pinned
-# stack (session 52's policy, observation version 4).
+# stack (session 52's policy, observation version 4; the peak under cost model 13).
 PINNED_PLAN = ("BatchParallel(model); BatchParallel(batch); ZeRO(batch, stage=2); "
-               "ZeRO(model, stage=2)", 1790472200, 7.96e-3)
+               "ZeRO(model, stage=2)", 1857589276, 7.96e-3)
 
 
 def test_the_policy_trained_on_the_pinned_stack_plays_the_same_plan_on_this_one(capsys):
   code, out, _ = run(capsys, "propose", "gpt:mini", "--mesh", "batch=2,model=4", "--json", "-")
   plan = json.loads(out[out.index("{"):])["policy_plan"]
   schedule, peak, step = PINNED_PLAN
-  assert code == 0 and plan["schedule"] == schedule and plan["peak_memory_bytes"] == peak
+  assert code == 0 and plan["schedule"] == schedule
+  # Current JAX's extra broadcasts of fused values are stored (8 KiB more of 1.7 GiB).
+  assert abs(plan["peak_memory_bytes"] / peak - 1) < 1e-4, plan["peak_memory_bytes"]
   assert abs(plan["step_time_s"] / step - 1) < 0.05, (jax.__version__, plan["step_time_s"])
 
 

@@ -88,3 +88,44 @@ def test_hardware_names_its_fusion_model():
     CATALOG["h100"].from_dict(spec)
   spec["fusion"] = "consecutive"
   assert CATALOG["h100"].from_dict(spec).fusion == "consecutive"
+
+
+def _internal(program, name):
+  work = ProgramWork.of(program, "consecutive")
+  (op,) = [op for op in program.ops if op.name == name]
+  return bool(work.internal[op.outputs[0]])
+
+
+def test_xla_cpu_fuses_into_a_reduction_only_over_the_minor_dimension_and_32_elements():
+  square = lambda x, axis: (x * x).sum(axis)
+  # Over 32 elements of the minor dimension: the product is computed inside the reduction.
+  assert _internal(_program(lambda x: square(x, -1), (N, 32)), "mul")
+  # Over 64: XLA:CPU's tree-reduction rewrite puts a reduce-window in front, which fuses
+  # nothing, so the product is stored.
+  assert not _internal(_program(lambda x: square(x, -1), (N, 64)), "mul")
+  # Over the major dimension ("not fusing reductions over major dimensions").
+  assert not _internal(_program(lambda x: square(x, 0), (32, N)), "mul")
+  # XLA:GPU fuses all three.
+  for shape, axis in (((N, 32), -1), ((N, 64), -1), ((32, N), 0)):
+    program = _program(lambda x: square(x, axis), shape)
+    (mul,) = [op for op in program.ops if op.name == "mul"]
+    assert ProgramWork.of(program, "producer").internal[mul.outputs[0]]
+
+
+@pytest.mark.parametrize("fusion", ["consecutive", "producer"])
+def test_a_view_of_a_fused_result_is_what_its_kernel_stores(fusion):
+  """tanh(x) reshaped is read by two matmuls and a product after them: the kernel that computes
+  tanh writes the reshaped array, which is held across both matmuls (it had no buffer when its
+  source, computed inside the kernel, had none)."""
+  def f(x, w):
+    h = jnp.tanh(x).reshape(2 * N, D // 2)
+    y = h @ w
+    z = y @ w
+    return (z * h).sum()
+  program = _program(f, (N, D), (D // 2, D // 2))
+  (tanh,) = [op for op in program.ops if op.name == "tanh"]
+  assert ProgramWork.of(program, fusion).internal[tanh.outputs[0]]
+  peak = _hbm(program, fusion).memory.peak_bytes
+  weight = (D // 2) ** 2 * 4
+  # At the second matmul: x (an input), w, h, y and z.
+  assert peak >= 4 * FULL + weight
