@@ -229,7 +229,14 @@ are below the footprint by 0.3 MiB on the MLP's dp, 1.35 MiB on gnn's dp+megatro
 - Under-predicted, hf_t5 (0.85-0.88). Under dp, XLA:CPU's copy insertion copies the donated
   weights at the start of the step and keeps the copies until the backward pass ends (14.0
   MiB of `copy` buffers at the peak, about every weight once), the same mechanism as the
-  MLP's. Under zero3 and dp+megatron, where the copies are of shards and small, XLA's peak
+  MLP's. XLA:CPU of jaxlib 0.4.34 orders its copies by dataflow alone: a donated weight read
+  by an op its update does not depend on (the transposed read for the input gradient) is
+  copied, unless a global gradient norm orders every update after the whole backward pass
+  (gpt, bert and vit clip; the MLP and the HF models' AdamW do not). Counted that way the
+  copied bytes match XLA's `copy(param)` instructions (hf_t5 dp 14.01 MiB both, hf_vit 6.01
+  against 6.08, resnet 0.30 against 0.31) and hf_t5's dp goes to 1.03, but the HF models' and
+  resnet's dp to 1.08-1.21 (their activations are over-counted, as below), and XLA:CPU of
+  current JAX (0.10.2) makes no such copy; it is not modelled. Under zero3 and dp+megatron, where the copies are of shards and small, XLA's peak
   holds 6 MiB of ReLU-backward selects (`compare_select` fusions, f32, of the feed-forward
   width; two of them made some 400 to 500 positions of its schedule before they are read)
   next to the ReLU outputs and residuals the simulator also keeps. Under dp+megatron XLA also
