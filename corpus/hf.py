@@ -25,7 +25,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from partitioner.errors import WorkloadError
@@ -212,8 +211,32 @@ def _bert(c: HFConfig, dtype):
   return model, (1, c.seq), _loss(model, "tokens", "labels"), batch
 
 
+class _ClipKeywords:
+  """jax.numpy with a `clip` that also takes NumPy's old keywords `a_min`/`a_max`, which current
+  JAX removed (it spells them `min`/`max`) and transformers' Flax T5 still passes (its relative
+  position buckets; the last 4.x release too, and version 5 has no Flax models). Given to that
+  module alone, as its `jnp`, where the running JAX lacks them."""
+
+  def __getattr__(self, name):
+    return getattr(jnp, name)
+
+  @staticmethod
+  def clip(x, a_min=None, a_max=None, *, min=None, max=None):  # noqa: A002 (NumPy's names)
+    return jnp.clip(x, a_min if min is None else min, a_max if max is None else max)
+
+
+@functools.cache
+def _t5_on_this_jax() -> None:
+  import inspect
+
+  from transformers.models.t5 import modeling_flax_t5
+  if "a_max" not in inspect.signature(jnp.clip).parameters:
+    modeling_flax_t5.jnp = _ClipKeywords()
+
+
 def _t5(c: HFConfig, dtype):
   from transformers import FlaxT5ForConditionalGeneration, T5Config
+  _t5_on_this_jax()
   cfg = T5Config(vocab_size=c.vocab, d_model=c.d_model, d_kv=c.d_model // c.heads, d_ff=c.ffn,
                  num_layers=c.layers, num_decoder_layers=c.layers, num_heads=c.heads,
                  dropout_rate=0.0)
