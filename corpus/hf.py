@@ -221,7 +221,7 @@ class _ClipKeywords:
     return getattr(jnp, name)
 
   @staticmethod
-  def clip(x, a_min=None, a_max=None, *, min=None, max=None):  # noqa: A002 (NumPy's names)
+  def clip(x, a_min=None, a_max=None, *, min=None, max=None):  # noqa: A002 (JAX's names)
     return jnp.clip(x, a_min if min is None else min, a_max if max is None else max)
 
 
