@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from partitioner.factors import PASS, REPL, SUM, split_dim
+from partitioner.factors import MAX, PASS, REPL, SUM, split_dim
 from partitioner.ir import Program, per_program
 from partitioner.propagation import factor_table
 from partitioner.rules.elementwise import NARY, UNARY
@@ -478,6 +478,78 @@ def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
                 seen.add((rv, rd))
                 work.append((rv, rd))
   return rows
+
+
+@per_program
+def output_heads(program: Program, axis_size: int) -> tuple[tuple[int, int], ...]:
+  """(weight, output dim) of the untied output heads: weights whose output dimension (a
+  vocabulary, the classes) the loss normalises by a softmax (a maximum over it, then sums)
+  and no other weight contracts, dividing by `axis_size`. Megatron-LM splits such a layer by
+  columns and computes the cross-entropy on its split logits. A tied head is an embedding
+  table (`embedding_tables`: `EmbeddingSharding` splits it), so it is not listed."""
+  params = frozenset(roles(program).params)
+  tables = {v for v, _ in embedding_tables(program)}
+  forward = forward_ops(program)
+  table = factor_table(program)
+  found = {}
+  for op in program.ops:
+    if op.name != "dot_general" or op.index not in forward:
+      continue
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    sources = [param_source(program, v, params) for v in op.inputs]
+    for side in (0, 1):
+      src = sources[side]
+      if src is None or sources[1 - side] is not None or src[0] in tables:
+        continue
+      w, dmap = src
+      value = program.values[op.inputs[side]]
+      contract, batch = (lc, lb) if side == 0 else (rc, rb)
+      free = [d for d in range(value.rank) if d not in contract and d not in batch]
+      if program.values[w].rank < 2 or len(free) != 1 or value.shape[free[0]] % axis_size:
+        continue
+      lhs_free = [d for d in range(program.values[op.inputs[0]].rank)
+                  if d not in lc and d not in lb]
+      rdim = len(lb) + (lhs_free.index(free[0]) if side == 0 else len(lhs_free))
+      if _softmax_only(program, table, forward, params, op.outputs[0], rdim):
+        found.setdefault(w, dmap[free[0]])
+  return tuple(found.items())
+
+
+def _softmax_only(program, table, forward, params, start, start_dim) -> bool:
+  """Whether dimension `start_dim` of `start`, followed through the forward pass, is only
+  passed through and reduced, at least once by a maximum (a softmax's), never contracted with
+  a weight, replicated or returned."""
+  mesh, users, outputs = {"_": 1}, program.users, set(program.outputs)
+  work, seen, maximum = [(start, start_dim)], {(start, start_dim)}, False
+  while work:
+    vid, d = work.pop()
+    if vid in outputs:
+      return False
+    for u in users[vid]:
+      if u not in forward:
+        continue
+      fac, tensors, n_in = table[u][:3]
+      for k in range(n_in):
+        if tensors[k][0] != vid or not tensors[k][1][d]:
+          continue
+        f = split_dim(("_",), tensors[k][1][d], fac.sizes, mesh)[0][0]
+        kind = fac.kinds[f]
+        if kind == REPL:
+          return False
+        if kind != PASS:
+          if kind == SUM and program.ops[u].name == "dot_general" and \
+              param_source(program, tensors[1 - k][0], params) is not None:
+            return False
+          maximum |= kind == MAX
+          continue
+        for rv, rdfs in tensors[n_in:]:
+          for rd, rfl in enumerate(rdfs):
+            if f in rfl and (rv, rd) not in seen:
+              if rfl[0] != f:
+                return False
+              seen.add((rv, rd))
+              work.append((rv, rd))
+  return maximum
 
 
 @per_program

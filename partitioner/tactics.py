@@ -333,7 +333,8 @@ class BatchParallel(Tactic):
 @register
 @dataclasses.dataclass(frozen=True)
 class Megatron(Tactic):
-  """Tensor parallelism: MLPs split column-then-row, attention split by heads, over `axis`.
+  """Tensor parallelism: MLPs split column-then-row, attention split by heads, an untied
+  output head split by its vocabulary (or classes), over `axis`.
 
   The pairs are found structurally: a weight whose output dimension flows through pass-through
   ops into another weight's contracting dimension (see `roles.megatron_pairs`). A fused
@@ -341,6 +342,11 @@ class Megatron(Tactic):
   when traced (partitioner/layouts.py), so its kernel pairs like any other. Where it cannot be
   (inside a loop's body), it is split by heads at its chunks and its kernel stays replicated,
   since in the (chunk, head, head_dim) layout of its rows one device's heads are not a block.
+  An output head (`roles.output_heads`: the softmax over its outputs is the loss's) is split
+  by columns as Megatron-LM's output layer is: each device computes its share of the logits,
+  and the softmax's maximum and sums, and the label's logit, are all-reduced per token. Left
+  whole, every device of `axis` computed all the logits (HF Llama 1B at 64 H100s under
+  dp+Megatron: 384 ms and 60 GiB, against 274 ms and 37 GiB split).
   """
   axis: str
   name: ClassVar[str] = "Megatron"
@@ -360,6 +366,22 @@ class Megatron(Tactic):
         ctx.tile(pair.column, pair.column_dim, self.axis)
       for w, d in pair.rows:
         ctx.tile(w, d, self.axis)
+    heads, whole = [], []
+    for w, d in R.output_heads(ctx.program, m):
+      if any(self.axis in dims for dims in ctx.state.dims[w]):
+        continue
+      size = ctx.program.values[w].shape[d]
+      (whole if size % (m * _count(ctx.state, w, d)) else heads).append((w, d))
+    for w, d in heads:
+      ctx.tile(w, d, self.axis)
+    if whole:
+      ctx.notes.append(f"output heads left whole over {self.axis} (their classes, split "
+                       f"already, do not divide by {m} more): "
+                       + ", ".join(ctx.program.name(w) for w, _ in whole))
+    if heads:
+      ctx.notes.append(f"output heads split by columns over {self.axis} (each device's share "
+                       "of the logits; the softmax's statistics all-reduced): "
+                       + ", ".join(ctx.program.name(w) for w, _ in heads))
     if fused:
       names = sorted(set(fused))
       ctx.notes.append(
@@ -373,7 +395,8 @@ class Megatron(Tactic):
     if left:
       ctx.notes.append(
           f"matmul weights left whole over {self.axis} (no column/row pair whose heads or width "
-          f"divide by {m}: grouped k/v heads, an output head...): {', '.join(left[:5])}"
+          f"divide by {m}, nor an output head whose classes do: grouped k/v heads...): "
+          f"{', '.join(left[:5])}"
           + (" ..." if len(left) > 5 else ""))
 
 

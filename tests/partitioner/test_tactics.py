@@ -80,6 +80,84 @@ def test_megatron_splits_columns_then_rows_and_heads():
   assert pp.output_shardings()["out/0/gpt/layer_0/w_in/w"].dims == ((), ("model",))
 
 
+def _lm_step(loss, vocab=64):
+  """A two-layer MLP language model with an untied output head (d_model 16), trained by SGD
+  under `loss` ("softmax": cross-entropy on the logits; "squares": a regression on them)."""
+  def step(params, batch):
+    def objective(p):
+      x = p["embed"][batch["tokens"]]
+      x = x + jax.nn.relu(x @ p["w_in"]) @ p["w_out"]
+      logits = x @ p["head"]
+      if loss == "squares":
+        return jnp.mean((logits - 1.0) ** 2)
+      logp = jax.nn.log_softmax(logits)
+      return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], axis=-1))
+    value, grads = jax.value_and_grad(objective)(params)
+    return value, jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, grads)
+  keys = jax.random.split(jax.random.PRNGKey(0), 6)
+  params = {"embed": jax.random.normal(keys[0], (vocab, 16)),
+            "w_in": jax.random.normal(keys[1], (16, 32)) / 4,
+            "w_out": jax.random.normal(keys[2], (32, 16)) / 6,
+            "head": jax.random.normal(keys[3], (16, vocab)) / 4}
+  batch = {"tokens": jax.random.randint(keys[4], (8, 4), 0, vocab),
+           "labels": jax.random.randint(keys[5], (8, 4), 0, vocab)}
+  return step, (params, batch)
+
+
+def test_megatron_splits_an_untied_output_head_by_its_vocabulary():
+  """As Megatron-LM's output layer: each device computes its share of the logits, and what
+  crosses the devices per token is the softmax's statistics (maximum, sum, the label's
+  logit) and, in the backward pass, the head's input gradient; the step stays exact."""
+  from partitioner import roles as R
+  from tests.partitioner.helpers import assert_partitioned_equal
+  step, args = _lm_step("softmax")
+  program = P.trace(step, *args)
+  head = program.value("params/head").id
+  assert R.output_heads(program, 4) == ((head, 1),)
+  assert R.output_heads(program, 5) == ()                # 64 classes do not divide by 5
+  pp = assert_partitioned_equal(step, args, "batch=2,model=4",
+                                "BatchParallel(batch); Megatron(model)", rtol=1e-4, atol=1e-5)
+  assert pp.sharding("params/head").dims == ((), ("model",))
+  assert pp.sharding("params/w_in").dims == ((), ("model",))
+  assert pp.sharding("params/embed").dims == ((), ())     # a table: EmbeddingSharding's
+  model = [c for c in pp.collectives if c.axes == ("model",)]
+  assert {c.kind for c in model} == {"all-reduce"}
+  statistics = sorted(program.ops[c.op].name for c in model
+                      if program.values[c.value].size == 8 * 4)
+  # The maximum, the sum of exponentials, the label's logit; the backward pass's sum.
+  assert statistics == ["gather", "reduce_max", "reduce_sum", "reduce_sum"]
+  # The rest are activations: the MLP's row output, its and the head's input gradients.
+  assert sum(program.values[c.value].shape == (8, 4, 16) for c in model) == 3 == \
+      len(model) - len(statistics)
+  # The head left whole (the MLP pair alone): every device computes all 64 logits.
+  whole = P.apply(program, "batch=2,model=4", "BatchParallel(batch); "
+                  "Tile(params/w_in, 1, model); Tile(params/w_out, 0, model)")
+  from partitioner.cost import simulate
+  assert simulate(pp, "h100").flops < simulate(whole, "h100").flops
+
+
+def test_megatron_over_a_second_axis_leaves_a_head_whole_where_its_classes_run_out():
+  """Megatron over every axis (`megatron`): 12 classes split over batch=2 do not divide by
+  model=4 more, so the second leaves the head as the first split it, and says so."""
+  step, args = _lm_step("softmax", vocab=12)
+  program = P.trace(step, *args)
+  pp = P.apply(program, "batch=2,model=4", "Megatron(batch); Megatron(model)")
+  assert pp.sharding("params/head").dims == ((), ("batch",))
+  notes = [n for r in pp.reports for n in r.notes]
+  assert any(n.startswith("output heads left whole over model") for n in notes)
+
+
+def test_megatron_leaves_a_head_whole_unless_a_softmax_reads_it():
+  """A regression head (its outputs reduced by a mean of squares, no softmax) is no output
+  layer over classes: left whole, as before."""
+  from partitioner import roles as R
+  step, args = _lm_step("squares")
+  program = P.trace(step, *args)
+  assert R.output_heads(program, 4) == ()
+  pp = P.apply(program, "batch=2,model=4", "BatchParallel(batch); Megatron(model)")
+  assert pp.sharding("params/head").dims == ((), ())
+
+
 @pytest.mark.slow
 def test_megatron_leaves_attention_whole_when_heads_do_not_divide():
   workload = corpus.load("gpt:small,d_model=48,heads=6")
