@@ -10,7 +10,7 @@ Two layouts, found from the dataflow when a step is traced:
   Megatron-LM permutes its fused `query_key_value` so when it converts a checkpoint.
 - **Padded** vocabularies. An embedding table of 50,257 rows divides by no mesh axis. Held
   with zero rows up to a multiple of 128 (50,304), as Megatron-LM and GSPMD pad, it splits
-  over axes of up to 128 devices; every op then computes the padding too (priced by the
+  over axes of up to 128 devices (an untied output head likewise, by its columns); every op then computes the padding too (priced by the
   simulator like any other work) and keeps it out of the results: the padding is kept zero,
   and a maximum or minimum over it reads the identity there.
 
@@ -195,10 +195,11 @@ def _fused(program: Program):
 
 
 def _tables(program: Program):
-  """(parameter, looked-up dim, rows) of embedding tables whose rows no axis of up to
+  """(parameter, vocabulary dim, size) of embedding tables (the looked-up rows) and untied
+  output heads (the classes a softmax normalises) whose vocabulary no axis of up to
   `VOCAB_MULTIPLE` devices divides."""
-  from partitioner.roles import embedding_tables
-  for vid, dim in embedding_tables(program):
+  from partitioner.roles import embedding_tables, output_heads
+  for vid, dim in embedding_tables(program) + output_heads(program, 1):
     n = program.values[vid].shape[dim]
     if n >= VOCAB_MIN and n % VOCAB_MULTIPLE:
       yield vid, dim, n

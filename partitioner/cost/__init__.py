@@ -16,8 +16,8 @@
 # (a concatenation or a bias reshaped, held to the backward pass) is what that kernel stores,
 # where it had no buffer at all; XLA:CPU's reductions fuse what they read only over the minor
 # dimension and 32 elements or fewer, partitioner/cost/fusion.py; 14: `Megatron` splits an
-# untied output head by its vocabulary, partitioner/roles.py `output_heads`, so a schedule
-# naming it costs what its plan now is), so that
+# untied output head by its vocabulary, partitioner/roles.py `output_heads`, padded where it
+# divides by nothing as tables are, so a schedule naming it costs what its plan now is), so that
 # stored evaluations made with another model are redone rather than compared with these.
 COST_MODEL_VERSION = 14
 

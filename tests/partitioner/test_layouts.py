@@ -15,9 +15,9 @@ from partitioner.verify import example_inputs, verify
 B, T, D, H, V = 8, 8, 32, 4, 1090   # 1,090 rows: padded to 1,152, which 2, 4 and 8 divide
 
 
-def _step(cumsum=False, scan=False):
+def _step(cumsum=False, scan=False, untied=False):
   """Attention with a fused q/k/v projection and an embedding tied to the output head, trained
-  with momentum: what HF GPT-2 does, small."""
+  with momentum: what HF GPT-2 does, small. `untied`: an output head of its own (Llama's)."""
   def loss_fn(p, batch):
     h = p["emb"][batch["tokens"]]
     heads = lambda x: x.reshape(*x.shape[:2], H, D // H)
@@ -31,7 +31,7 @@ def _step(cumsum=False, scan=False):
       h, _ = jax.lax.scan(lambda h, w: (attention(h, w), None), h, p["layers"])
     else:
       h = attention(h, p["layers"])
-    logits = h @ p["emb"].T
+    logits = h @ (p["head"] if untied else p["emb"].T)
     if cumsum:   # an op that indexes the vocabulary by position: run on the user's layout
       logits = logits - 0.01 * jnp.cumsum(logits, axis=-1)
     logp = jax.nn.log_softmax(logits)
@@ -47,6 +47,8 @@ def _step(cumsum=False, scan=False):
   lead = (2,) if scan else ()
   params = {"emb": f32(V, D), "layers": {"qkv": f32(*lead, D, 3 * D), "b": f32(*lead, 3 * D),
                                          "o": f32(*lead, D, D)}}
+  if untied:
+    params["head"] = f32(D, V)
   batch = {"tokens": jax.ShapeDtypeStruct((B, T), jnp.int32),
            "labels": jax.ShapeDtypeStruct((B, T), jnp.int32)}
   return step, (params, params, batch)
@@ -119,6 +121,22 @@ def test_held_values_split_without_gathers_and_verify(traced, schedule):
   # Called like the user's step: the user's shapes in and out.
   params, momentum, loss = pp.jit()(*_args(args))
   assert params["emb"].shape == (V, D) and params["layers"]["qkv"].shape == (D, 3 * D)
+
+
+def test_an_untied_output_head_is_padded_and_megatron_splits_it():
+  """An output head of its own whose vocabulary divides by nothing is padded like a table
+  (with its momentum), Megatron splits it by columns, and the step stays the user's."""
+  step, args = _step(untied=True)
+  program = P.trace(step, *args)
+  held = {program.input_names[k]: lay for k, lay in program.layouts.items()}
+  assert held["params/head"] == held["momentum/head"] == Padded(1, V, 1152)
+  assert held["params/emb"] == Padded(0, V, 1152)
+  pp = P.apply(program, "batch=2,model=4", "BatchParallel(batch); Megatron(model)")
+  assert pp.input_shardings()["params/head"].dims == ((), ("model",))
+  result = verify(pp, _args(args))
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+  params, _, _ = pp.jit()(*_args(args))
+  assert params["head"].shape == (D, V)
 
 
 def test_an_op_that_indexes_the_padding_by_position_reads_the_users_layout():
