@@ -342,46 +342,50 @@ def megatron_pairs(program: Program, axis_size: int) -> tuple[MegatronPair, ...]
   table = factor_table(program)
   assigned: set[int] = set()
   pairs = []
+  for w, dmap, fd, size, result, rdim in _weight_matmuls(program, params, forward):
+    if w in assigned or size % axis_size:
+      continue
+    rows = _flow_to_rows(program, table, forward, params, result, rdim, axis_size, w)
+    if rows:
+      rows = tuple(r for r in rows if r[0] not in assigned and r[0] != w)
+    if rows:
+      pairs.append(MegatronPair(w, dmap[fd], rows))
+      assigned.add(w)
+      assigned.update(r[0] for r in rows)
+      continue
+    chunks = _fused_chunks(program, forward, result, rdim, axis_size)
+    if chunks:
+      flows = [_flow_to_rows(program, table, forward, params, c, d, axis_size, w)
+               for c, d in chunks]
+      if all(flows):
+        rows = tuple(dict.fromkeys(r for f in flows for r in f if r[0] != w))
+        pairs.append(MegatronPair(w, dmap[fd], rows, tuple(chunks)))
+        assigned.update(r[0] for r in rows)
+  return tuple(pairs)
+
+
+def _weight_matmuls(program: Program, params, forward):
+  """Per forward-pass matmul of a weight (rank 2 and up) with an activation: the weight, its
+  dimension map, its first free dimension (an output feature) and that dimension's size, the
+  result and the result's dimension it becomes (batch dims, then lhs free, then rhs free)."""
   for op in program.ops:
     if op.name != "dot_general" or op.index not in forward:
       continue
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
     sources = [param_source(program, v, params) for v in op.inputs]
     for side in (0, 1):
-      src, other = sources[side], sources[1 - side]
-      if src is None or other is not None or src[0] in assigned:
-        continue
-      w, dmap = src
-      if program.values[w].rank < 2:
+      src = sources[side]
+      if src is None or sources[1 - side] is not None or program.values[src[0]].rank < 2:
         continue
       contract, batch = (lc, lb) if side == 0 else (rc, rb)
-      free = [d for d in range(program.values[op.inputs[side]].rank)
-              if d not in contract and d not in batch]
+      value = program.values[op.inputs[side]]
+      free = [d for d in range(value.rank) if d not in contract and d not in batch]
       if not free:
         continue
-      fd = free[0]
-      if program.values[op.inputs[side]].shape[fd] % axis_size:
-        continue
-      # Result dim of that free dim: batch dims, then lhs free, then rhs free.
-      lhs_free = [d for d in range(program.values[op.inputs[0]].rank) if d not in lc and d not in lb]
-      rdim = len(lb) + (lhs_free.index(fd) if side == 0 else len(lhs_free) + free.index(fd))
-      rows = _flow_to_rows(program, table, forward, params, op.outputs[0], rdim, axis_size, w)
-      if rows:
-        rows = tuple(r for r in rows if r[0] not in assigned and r[0] != w)
-      if rows:
-        pairs.append(MegatronPair(w, dmap[fd], rows))
-        assigned.add(w)
-        assigned.update(r[0] for r in rows)
-        continue
-      chunks = _fused_chunks(program, forward, op.outputs[0], rdim, axis_size)
-      if chunks:
-        flows = [_flow_to_rows(program, table, forward, params, c, d, axis_size, w)
-                 for c, d in chunks]
-        if all(flows):
-          rows = tuple(dict.fromkeys(r for f in flows for r in f if r[0] != w))
-          pairs.append(MegatronPair(w, dmap[fd], rows, tuple(chunks)))
-          assigned.update(r[0] for r in rows)
-  return tuple(pairs)
+      lhs_free = [d for d in range(program.values[op.inputs[0]].rank)
+                  if d not in lc and d not in lb]
+      rdim = len(lb) + (lhs_free.index(free[0]) if side == 0 else len(lhs_free))
+      yield src[0], src[1], free[0], value.shape[free[0]], op.outputs[0], rdim
 
 
 @per_program
@@ -433,17 +437,17 @@ def _fused_chunks(program: Program, forward, start: int, dim: int, m: int):
   return [(c, d) for c, d, _, _ in chunks]
 
 
-def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
-  """Follows one sharded dimension forward; returns the weights that contract it, or None if
-  it is reduced, needs replication, or reaches an output first."""
-  mesh = {"_": m}
-  users = program.users
-  work, seen, rows = [(start, start_dim)], {(start, start_dim)}, []
-  outputs = set(program.outputs)
+def _follow(program, table, forward, start, start_dim, m, meet) -> bool:
+  """Follows one dimension (split `m` ways) forward through pass-through ops, calling
+  `meet(op, operand, tensors, factor, kind)` at each op that does not pass it through (a
+  reduction, a contraction); False where `meet` does, or the dimension is replicated, merged
+  with another, or reaches an output."""
+  mesh, users, outputs = {"_": m}, program.users, set(program.outputs)
+  work, seen = [(start, start_dim)], {(start, start_dim)}
   while work:
     vid, d = work.pop()
     if vid in outputs:
-      return None
+      return False
     for u in users[vid]:
       if u not in forward:
         continue
@@ -454,30 +458,43 @@ def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
         flist = tensors[k][1][d]
         pairs = split_dim(("_",), flist, fac.sizes, mesh) if flist else []
         if not pairs:
-          return None
+          return False
         f = pairs[0][0]
         kind = fac.kinds[f]
         if kind == REPL:
-          return None
+          return False
         if kind != PASS:
-          if kind != SUM or program.ops[u].name != "dot_general":
-            return None
-          other = tensors[1 - k]
-          src = param_source(program, other[0], params)
-          if src is None or src[0] == column:
-            return None
-          od = next(i for i, fl in enumerate(other[1]) if f in fl)
-          rows.append((src[0], src[1][od]))
+          if not meet(u, k, tensors, f, kind):
+            return False
           continue
         for rv, rdfs in tensors[n_in:]:
           for rd, rfl in enumerate(rdfs):
             if f in rfl:
               if rfl[0] != f:
-                return None
+                return False
               if (rv, rd) not in seen:
                 seen.add((rv, rd))
                 work.append((rv, rd))
-  return rows
+  return True
+
+
+def _flow_to_rows(program, table, forward, params, start, start_dim, m, column):
+  """Follows one sharded dimension forward; returns the weights that contract it, or None if
+  it is reduced, needs replication, or reaches an output first."""
+  rows = []
+
+  def meet(u, k, tensors, f, kind):
+    if kind != SUM or program.ops[u].name != "dot_general":
+      return False
+    other = tensors[1 - k]
+    src = param_source(program, other[0], params)
+    if src is None or src[0] == column:
+      return False
+    od = next(i for i, fl in enumerate(other[1]) if f in fl)
+    rows.append((src[0], src[1][od]))
+    return True
+
+  return rows if _follow(program, table, forward, start, start_dim, m, meet) else None
 
 
 @per_program
@@ -492,64 +509,27 @@ def output_heads(program: Program, axis_size: int) -> tuple[tuple[int, int], ...
   forward = forward_ops(program)
   table = factor_table(program)
   found = {}
-  for op in program.ops:
-    if op.name != "dot_general" or op.index not in forward:
-      continue
-    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    sources = [param_source(program, v, params) for v in op.inputs]
-    for side in (0, 1):
-      src = sources[side]
-      if src is None or sources[1 - side] is not None or src[0] in tables:
-        continue
-      w, dmap = src
-      value = program.values[op.inputs[side]]
-      contract, batch = (lc, lb) if side == 0 else (rc, rb)
-      free = [d for d in range(value.rank) if d not in contract and d not in batch]
-      if program.values[w].rank < 2 or len(free) != 1 or value.shape[free[0]] % axis_size:
-        continue
-      lhs_free = [d for d in range(program.values[op.inputs[0]].rank)
-                  if d not in lc and d not in lb]
-      rdim = len(lb) + (lhs_free.index(free[0]) if side == 0 else len(lhs_free))
-      if _softmax_only(program, table, forward, params, op.outputs[0], rdim):
-        found.setdefault(w, dmap[free[0]])
+  for w, dmap, fd, size, result, rdim in _weight_matmuls(program, params, forward):
+    if w not in tables and program.values[w].rank == 2 and not size % axis_size and \
+        _softmax_only(program, table, forward, params, result, rdim, axis_size):
+      found.setdefault(w, dmap[fd])
   return tuple(found.items())
 
 
-def _softmax_only(program, table, forward, params, start, start_dim) -> bool:
+def _softmax_only(program, table, forward, params, start, start_dim, m) -> bool:
   """Whether dimension `start_dim` of `start`, followed through the forward pass, is only
   passed through and reduced, at least once by a maximum (a softmax's), never contracted with
   a weight, replicated or returned."""
-  mesh, users, outputs = {"_": 1}, program.users, set(program.outputs)
-  work, seen, maximum = [(start, start_dim)], {(start, start_dim)}, False
-  while work:
-    vid, d = work.pop()
-    if vid in outputs:
+  maximum = []
+
+  def meet(u, k, tensors, f, kind):
+    if kind == SUM and program.ops[u].name == "dot_general" and \
+        param_source(program, tensors[1 - k][0], params) is not None:
       return False
-    for u in users[vid]:
-      if u not in forward:
-        continue
-      fac, tensors, n_in = table[u][:3]
-      for k in range(n_in):
-        if tensors[k][0] != vid or not tensors[k][1][d]:
-          continue
-        f = split_dim(("_",), tensors[k][1][d], fac.sizes, mesh)[0][0]
-        kind = fac.kinds[f]
-        if kind == REPL:
-          return False
-        if kind != PASS:
-          if kind == SUM and program.ops[u].name == "dot_general" and \
-              param_source(program, tensors[1 - k][0], params) is not None:
-            return False
-          maximum |= kind == MAX
-          continue
-        for rv, rdfs in tensors[n_in:]:
-          for rd, rfl in enumerate(rdfs):
-            if f in rfl and (rv, rd) not in seen:
-              if rfl[0] != f:
-                return False
-              seen.add((rv, rd))
-              work.append((rv, rd))
-  return maximum
+    maximum.append(kind == MAX)
+    return True
+
+  return _follow(program, table, forward, start, start_dim, m, meet) and any(maximum)
 
 
 @per_program
