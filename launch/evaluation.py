@@ -21,8 +21,8 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 7, "random": 1, "greedy": 3, "beam": 3, "mcts": 3, "ilp": 9,
-                  "policy": 5, "policy+mcts": 5, "policy+guard": 6, "policy+mcts+guard": 6}
+AGENT_VERSIONS = {"expert": 8, "random": 1, "greedy": 3, "beam": 3, "mcts": 3, "ilp": 9,
+                  "policy": 5, "policy+mcts": 5, "policy+guard": 7, "policy+mcts+guard": 7}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
                   "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"

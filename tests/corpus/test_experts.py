@@ -149,7 +149,7 @@ def test_meshes_of_three_and_four_axes_also_shard_over_the_inner_axes_only():
   # Two axes: the family's strategies as they were; no family: the generic ones.
   assert set(corpus.experts("gpt", ("batch", "model"))) == set(FAMILY_STRATEGIES["gpt"])
   assert set(corpus.experts(None, ("batch", "model"))) == set(GENERIC)
-  assert not {"dp+ep", "dp+sp", "dp+megatron+vocab"} & set(GENERIC)
+  assert not {"dp+ep", "dp+sp"} & set(GENERIC) and "dp+megatron+vocab" in GENERIC
 
 
 @pytest.mark.slow
