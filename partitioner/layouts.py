@@ -10,9 +10,10 @@ Two layouts, found from the dataflow when a step is traced:
   Megatron-LM permutes its fused `query_key_value` so when it converts a checkpoint.
 - **Padded** vocabularies. An embedding table of 50,257 rows divides by no mesh axis. Held
   with zero rows up to a multiple of 128 (50,304), as Megatron-LM and GSPMD pad, it splits
-  over axes of up to 128 devices (an untied output head likewise, by its columns); every op then computes the padding too (priced by the
-  simulator like any other work) and keeps it out of the results: the padding is kept zero,
-  and a maximum or minimum over it reads the identity there.
+  over axes of up to 128 devices (an untied output head likewise, by its columns); every op
+  then computes the padding too (priced by the simulator like any other work) and keeps it out
+  of the results: the padding is kept zero, and a maximum or minimum over it reads the
+  identity there.
 
 `hold_in_layouts` grows each layout from its seed (the sliced value, the table) to every value
 indexed alike through the factor rules (the kernel, its bias, gradients, optimizer state,
