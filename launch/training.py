@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from typing import Optional
 
@@ -21,11 +22,32 @@ import numpy as np
 from learners.run_config import RunConfig
 from partitioner.errors import ShardzeroError
 
-def stop_on_sigterm():
-  """SIGTERM ends the process the way Ctrl-C does (cleanup runs, the checkpoint is kept)."""
+SIGTERM_GRACE_S = 20.0   # how long a SIGTERM'd role may take to end before it is ended
+
+
+def stop_on_sigterm(watchdog: bool = False):
+  """SIGTERM ends the process the way Ctrl-C does (cleanup runs, the checkpoint is kept). A
+  role blocked in a native call never returns to Python to see it: an actor whose Ray worker
+  was killed stayed in a Reverb insert held by the rate limiter, orphaned, until the machine
+  was cleaned. With `watchdog` (the roles; not a launcher, which stops its roles first) the
+  signal also wakes a thread (`signal.set_wakeup_fd` writes to it even while the main thread
+  is blocked) that ends the process `SIGTERM_GRACE_S` later if it is still running."""
   def handler(signum, frame):
     raise KeyboardInterrupt
   signal.signal(signal.SIGTERM, handler)
+  if not watchdog:
+    return
+  read, write = os.pipe()
+  os.set_blocking(write, False)
+  signal.set_wakeup_fd(write)
+
+  def end_later():
+    while signal.SIGTERM not in os.read(read, 64):
+      pass
+    time.sleep(SIGTERM_GRACE_S)
+    os._exit(128 + signal.SIGTERM)
+
+  threading.Thread(target=end_later, name="sigterm-watchdog", daemon=True).start()
 
 
 def _client(address: str, wait_s: float = 120.0):
@@ -69,7 +91,7 @@ def _last_row(path: str) -> Optional[dict]:
 def run_replay(config: RunConfig, port: int) -> None:
   """Serves the trajectory and parameter tables until stopped."""
   import reverb
-  stop_on_sigterm()
+  stop_on_sigterm(watchdog=True)
   server = reverb.Server(config.builder().make_replay_tables(), port=port)
   try:
     while True:          # not server.wait(): a signal handler runs only between bytecodes
@@ -87,7 +109,7 @@ def run_learner(config: RunConfig, run_dir: str, address: str, resume: bool = Fa
   from agents.variable_client import AVERAGE_TABLE, publish
   from agents.loggers import CSVLogger
   from learners import checkpointing
-  stop_on_sigterm()
+  stop_on_sigterm(watchdog=True)
   builder = config.builder()
   client = _client(address)
   networks = builder.make_networks()
@@ -191,7 +213,7 @@ def run_actor(config: RunConfig, run_dir: str, address: str, actor_id: int,
   from agents.loggers import CSVLogger
   from environments import PartitioningEnv
   from environments.observations import Sizes
-  stop_on_sigterm()
+  stop_on_sigterm(watchdog=True)
   builder = config.builder()
   client = _client(address)
   networks = builder.make_networks()
@@ -274,7 +296,7 @@ def run_evaluator(config: RunConfig, run_dir: str, address: str,
   from agents.decoding import greedy_decoder
   from agents.loggers import CSVLogger
   from agents.variable_client import AVERAGE_TABLE, PARAMS_TABLE, ReverbVariableSource
-  stop_on_sigterm()
+  stop_on_sigterm(watchdog=True)
   builder = config.builder()
   client = _client(address)
   networks = builder.make_networks()

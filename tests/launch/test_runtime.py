@@ -36,3 +36,33 @@ def test_collector_paused_disables_collection_inside_and_restores_it():
     assert not gc.isenabled()
   finally:
     (gc.enable if was else gc.disable)()
+
+
+def test_a_role_blocked_in_a_native_call_still_ends_after_sigterm():
+  """SIGTERM never reaches Python in a thread blocked in native code (an actor in a Reverb
+  insert held by the rate limiter); the roles' watchdog ends the process anyway. Here the
+  main thread keeps SIGTERM blocked, so the handler it would run never does."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import textwrap
+  code = textwrap.dedent("""
+      import signal, time
+      import launch.training as training
+      training.SIGTERM_GRACE_S = 0.2
+      training.stop_on_sigterm(watchdog=True)
+      signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+      print("ready", flush=True)
+      time.sleep(60)
+  """)
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  child = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
+                           env={**os.environ, "PYTHONPATH": root})
+  try:
+    assert child.stdout.readline().strip() == b"ready"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 128 + signal.SIGTERM
+  finally:
+    child.kill()
+    child.wait()
