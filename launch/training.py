@@ -22,7 +22,7 @@ import numpy as np
 from learners.run_config import RunConfig
 from partitioner.errors import ShardzeroError
 
-SIGTERM_GRACE_S = 20.0   # how long a SIGTERM'd role may take to end before it is ended
+SIGTERM_GRACE_S = 20.0   # a SIGTERM'd role's time to end: what `processes.terminate_all` waits
 
 
 def stop_on_sigterm(watchdog: bool = False):

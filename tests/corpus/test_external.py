@@ -34,6 +34,8 @@ def test_the_idioms_the_corpus_lacks_run_correctly(family, strategy, traced):
   pp = P.apply(program, "batch=2,model=4", corpus.experts(family)[strategy])
   result = verify(pp, workload.args)
   assert result.ok, f"{family} {strategy}: max error {result.max_abs_err} in {result.worst}"
+  if family == "hf_llama":   # its untied output head split by the vocabulary, exactly
+    assert pp.sharding("params/lm_head/kernel").dims == ((), ("model",))
 
 
 @pytest.mark.parametrize("spec,low,high", [
