@@ -211,11 +211,13 @@ def _bert(c: HFConfig, dtype):
   return model, (1, c.seq), _loss(model, "tokens", "labels"), batch
 
 
-class _ClipKeywords:
-  """jax.numpy with a `clip` that also takes NumPy's old keywords `a_min`/`a_max`, which current
-  JAX removed (it spells them `min`/`max`) and transformers' Flax T5 still passes (its relative
-  position buckets; the last 4.x release too, and version 5 has no Flax models). Given to that
-  module alone, as its `jnp`, where the running JAX lacks them."""
+class _NumpyShim:
+  """jax.numpy with what transformers' Flax models call and JAX lacks, given to such a module
+  alone as its `jnp`: `clip` with NumPy's old keywords `a_min`/`a_max`, which current JAX
+  removed (it spells them `min`/`max`) and Flax T5 still passes (its relative position
+  buckets; the last 4.x release too, and version 5 has no Flax models); and `cat`, PyTorch's
+  name for `concatenate`, which Flax BLOOM's ALiBi slopes call for a head count that is not a
+  power of two (BLOOM-176B's 112), in every release."""
 
   def __getattr__(self, name):
     return getattr(jnp, name)
@@ -224,6 +226,8 @@ class _ClipKeywords:
   def clip(x, a_min=None, a_max=None, *, min=None, max=None):  # noqa: A002 (JAX's names)
     return jnp.clip(x, a_min if min is None else min, a_max if max is None else max)
 
+  cat = staticmethod(jnp.concatenate)
+
 
 @functools.cache
 def _t5_on_this_jax() -> None:
@@ -231,7 +235,14 @@ def _t5_on_this_jax() -> None:
 
   from transformers.models.t5 import modeling_flax_t5
   if "a_max" not in inspect.signature(jnp.clip).parameters:
-    modeling_flax_t5.jnp = _ClipKeywords()
+    modeling_flax_t5.jnp = _NumpyShim()
+
+
+@functools.cache
+def _bloom_on_this_jax() -> None:
+  from transformers.models.bloom import modeling_flax_bloom
+  if not hasattr(jnp, "cat"):
+    modeling_flax_bloom.jnp = _NumpyShim()
 
 
 def _t5(c: HFConfig, dtype):
@@ -299,6 +310,7 @@ def _gptneo(c: HFConfig, dtype):
 
 def _bloom(c: HFConfig, dtype):
   from transformers import BloomConfig, FlaxBloomForCausalLM
+  _bloom_on_this_jax()
   cfg = BloomConfig(vocab_size=c.vocab, hidden_size=c.d_model, n_layer=c.layers, n_head=c.heads,
                     hidden_dropout=0.0, attention_dropout=0.0)
   return _causal(FlaxBloomForCausalLM(cfg, dtype=dtype, _do_init=False), c)
