@@ -14,8 +14,9 @@ micro-batches (`partitioner.Microbatch`), which shrinks activations and leaves t
 plan as it is: where nothing fits, or where a plan faster than the answer fits so (the
 environment's own cuts end an episode: the policy's line may end cut already, and the hand
 schedules are cut here, at more counts than the environment offers). It also costs the
-pipelined hand schedules, which stream micro-batches through stages and which the environment
-cannot play.
+pipelined hand schedules, which stream micro-batches through stages, and the plans that split
+attention over an axis its heads do not divide again with the heads padded (`HeadPadding`):
+rewrites of the program, which the environment cannot play.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def _next_count(peak: float, k: int, peak_k: float, budget: float) -> int | None
 
 class Microbatched(NamedTuple):
   """A plan that fits once its batch is cut into micro-batches (or streamed through pipeline
-  stages in them: `pp.program.stages > 1`)."""
+  stages in them: `pp.program.stages > 1`; or, `k` = 1, with its attention heads padded to
+  split over the model axis: `HeadPadding`)."""
   k: int
   base: str          # the plan it cuts: "policy" or a hand schedule's name
   pp: object         # the partitioned (rewritten) task program
@@ -150,8 +152,10 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   `largest`, each with the fewest that fit (counts that cannot fit are not traced:
   `_first_count`, `_next_count`); then pipelines (`agents.pipelines`: the pipelining hand
   schedules, and `decide`, the policy as an `Auto` over the other axes with `solver`,
-  deciding at the most of `per_stage` micro-batches a stage and replayed at the others): the
-  fastest of those that fit and beat `faster_than`. None where none does."""
+  deciding at the most of `per_stage` micro-batches a stage and replayed at the others); then
+  every plan again with its attention heads padded where they do not divide its Megatron axis
+  (`with_heads_padded`): the fastest of those that fit and beat `faster_than`. None where none
+  does."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
   from partitioner.tactics import Microbatch, parse_schedule
@@ -196,4 +200,35 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   if staged is not None and staged.cost.peak_memory_bytes <= ctx.budget and \
       staged.cost.step_time_s < limit:
     best = Microbatched(staged.k, staged.base, staged.pp, staged.cost)
+  limit = faster_than if best is None else min(faster_than, best.cost.step_time_s)
+  everything = [("policy", guarded.policy_schedule)] + [
+      (h.name, h.schedule) for h in guarded.hand if h.cost is not None]
+  padded = with_heads_padded(program, ctx, everything, limit)
+  return padded or best
+
+
+def with_heads_padded(program, ctx, plans, faster_than: float) -> Microbatched | None:
+  """The fastest of `plans` ((name, schedule) pairs) that apply Megatron over an axis some
+  attention's heads do not divide (12 heads over 8 devices, which it leaves whole on every
+  device), again after `HeadPadding` over that axis, where it fits and beats `faster_than`;
+  None where none does. Like a pipeline, the padding rewrites the program, which the
+  environment cannot play."""
+  from partitioner.cost import simulate
+  from partitioner.heads import pad_heads
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import HeadPadding, Megatron, Microbatch, parse_schedule
+  best = None
+  for name, schedule in plans:
+    tactics = [t for t in parse_schedule(schedule) if not isinstance(t, Microbatch)]
+    for axis in dict.fromkeys(t.axis for t in tactics if isinstance(t, Megatron)):
+      try:
+        if pad_heads(program, ctx.mesh.size(axis)) is program:
+          continue
+        pp = PartitionedProgram(program, ctx.mesh).apply([HeadPadding(axis)] + tactics)
+      except ShardzeroError:
+        continue
+      cost = simulate(pp, ctx.task.hardware)
+      if cost.peak_memory_bytes <= ctx.budget and cost.step_time_s < faster_than and (
+          best is None or cost.step_time_s < best.cost.step_time_s):
+        best = Microbatched(1, name, pp, cost)
   return best

@@ -39,7 +39,8 @@ tries its plan pipelined over the mesh's outermost axis at a few micro-batch cou
 the other axes itself (the expert: the pipelining hand schedules), the best of those also
 interleaved (but the guarded policies'), and keeps the better. Where a plan is over the memory
 budget, the expert, the ILP and the policies end it cut into micro-batches (Microbatch(k))
-where a cut fits or comes closer.
+where a cut fits or comes closer. Where attention heads do not divide an axis Megatron splits
+over, the expert and the guarded policies also try their Megatron plans after HeadPadding.
 
 Tasks come from --suite (bundled: quick, scales, external; or a YAML file: launch/suites.py) or
 --models x --meshes x --hardware x --memory-budget. Prints a table per number of devices and a

@@ -21,8 +21,8 @@ from typing import Iterable, NamedTuple
 from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
-AGENT_VERSIONS = {"expert": 8, "random": 1, "greedy": 3, "beam": 3, "mcts": 3, "ilp": 9,
-                  "policy": 5, "policy+mcts": 5, "policy+guard": 7, "policy+mcts+guard": 7}
+AGENT_VERSIONS = {"expert": 9, "random": 1, "greedy": 4, "beam": 4, "mcts": 4, "ilp": 10,
+                  "policy": 5, "policy+mcts": 5, "policy+guard": 8, "policy+mcts+guard": 8}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
                   "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
@@ -188,6 +188,12 @@ def _run_agent(spec: AgentSpec, env, seed: int) -> dict:
     seconds += time.perf_counter() - start
     if staged is not None:
       extra["pipelined"] = staged
+  if spec.kind in PIPELINED_AGENTS:
+    start = time.perf_counter()
+    padded = heads_padded_plan(spec, env, extra.get("pipelined"), float(spec.number or 0))
+    seconds += time.perf_counter() - start
+    if padded is not None:
+      extra["heads_padded"] = padded
   if spec.kind == "ilp":
     s = actor.solution
     extra = {**extra, "ilp": {"objective_s": s.objective_s, "simulated_s": s.simulated_s,
@@ -288,6 +294,59 @@ def pipelined_plan(spec: AgentSpec, env, seconds: float = 0.0) -> dict | None:
           "fits": staged.cost.peak_memory_bytes <= ctx.budget}
 
 
+def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
+                      seconds: float = 0.0) -> dict | None:
+  """Where some attention's heads do not divide an axis of the mesh (12 over 8), the agent's
+  plan again after `HeadPadding` over that axis, which Megatron then splits by heads: the
+  expert's Megatron hand schedules (`agents.guard.with_heads_padded`, as `propose` tries
+  them), a search agent deciding every axis of the padded program itself (`Auto`, as for a
+  pipeline: `pipeline_decider`). The fastest that fits and beats the plan `env` ended in and
+  `staged` (a pipelined plan), as the row's schedule and cost; None where none does."""
+  from agents.guard import with_heads_padded
+  from environments.tasks import load_program
+  from launch.auto import solve
+  from partitioner.cost import simulate
+  from partitioner.heads import pad_heads
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import HeadPadding
+  ctx, cost = env.context, env.exact_cost
+  program = load_program(ctx.task.model)
+  axes = [a for a in ctx.axes if ctx.mesh.size(a) > 1 and
+          pad_heads(program, ctx.mesh.size(a)) is not program]
+  if not axes:
+    return None
+  beat = cost.step_time_s if cost.peak_memory_bytes <= ctx.budget else float("inf")
+  if staged is not None and staged["fits"]:
+    beat = min(beat, staged["step_time_s"])
+  if spec.kind == "expert":
+    from corpus.experts import experts
+    from corpus.registry import family_of
+    from partitioner.cost import Placement
+    hand = [(name, schedule) for name, schedule in experts(
+        family_of(ctx.task.model), ctx.axes, Placement(ctx.mesh, ctx.hardware).innermost()
+    ).items() if "Megatron(" in schedule and not schedule.startswith("Pipeline(")]
+    best = with_heads_padded(program, ctx, hand, beat)
+    best = None if best is None else (best.pp, best.cost)
+  else:
+    decide, _ = pipeline_decider(spec, ctx, seconds)
+    best = None
+    for axis in axes:
+      try:
+        pp = PartitionedProgram(program, ctx.mesh).apply(
+            [HeadPadding(axis), decide("+".join(ctx.axes))], solver=solve)
+      except ShardzeroError:
+        continue
+      c = simulate(pp, ctx.task.hardware)
+      if c.peak_memory_bytes <= ctx.budget and c.step_time_s < beat and (
+          best is None or c.step_time_s < best[1].step_time_s):
+        best = (pp, c)
+  if best is None:
+    return None
+  pp, c = best
+  return {"schedule": pp.decided, "step_time_s": c.step_time_s,
+          "peak_memory_bytes": c.peak_memory_bytes, "fits": True}
+
+
 def _policy(run: str):
   from launch.auto import POLICIES
   return POLICIES(run)
@@ -341,7 +400,7 @@ def run_unit(unit: Unit) -> list[dict]:
                   "peak_memory_bytes": cost.peak_memory_bytes,
                   "fits": cost.peak_memory_bytes <= ctx.budget,
                   "schedule": env.partitioned.strategy, "actions": len(env.history)})
-      cut = row.get("microbatched") or row.get("pipelined")
+      cut = row.get("heads_padded") or row.get("microbatched") or row.get("pipelined")
       if cut:
         row.update({"step_time_s": cut["step_time_s"], "fits": cut.get("fits", True),
                     "peak_memory_bytes": cut["peak_memory_bytes"], "schedule": cut["schedule"]})

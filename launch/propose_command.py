@@ -160,16 +160,18 @@ def run(args) -> int:
     before = cost.step_time_s
     found, cost = micro.pp, micro.cost
     base = "the policy's plan" if micro.base == "policy" else f"the hand schedule {micro.base}"
-    gain = (f"fits, {before / cost.step_time_s:.2f}x faster than the whole-batch answer"
+    gain = (f"fits, {before / cost.step_time_s:.2f}x faster than the answer it replaces"
             if guarded.fits else "fits")
     stages = found.program.stages
-    how = (f"streamed through {stages} pipeline stages in {micro.k} micro-batches (costed "
-           "outside the search environment, which cannot play a rewrite)" if stages > 1 else
-           f"with its batch cut into {micro.k} micro-batches")
+    outside = "costed outside the search environment, which cannot play a rewrite"
+    how = (f"streamed through {stages} pipeline stages in {micro.k} micro-batches ({outside})"
+           if stages > 1 else f"with its batch cut into {micro.k} micro-batches" if micro.k > 1
+           else f"with its attention heads padded to split ({found.schedule[0]}, {outside})")
     result.update({
         "schedule": found.decided, "tactics": found.decided.split("; "),
         "cost": _cost_dict(cost, ctx.budget), "answer": found.decided, "fits": True,
-        "winner": micro.base if stages > 1 else f"{micro.base} with Microbatch({micro.k})",
+        "winner": micro.base if stages > 1 else f"{micro.base} with " + (
+            f"Microbatch({micro.k})" if micro.k > 1 else str(found.schedule[0])),
         "microbatches": micro.k,
         "guard": f"{guarded.summary()}; {how}, {base} {gain}",
         "cost_ratio_to_expert": None if guarded.best_hand is None else

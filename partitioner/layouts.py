@@ -15,6 +15,12 @@ Two layouts, found from the dataflow when a step is traced:
   of the results: the padding is kept zero, and a maximum or minimum over it reads the
   identity there.
 
+A third is chosen by a plan, not at tracing, as it costs work wherever the plan does not split
+the heads: **padded heads** (`partitioner/heads.py`, the `HeadPadding` tactic): a padding of
+the heads' factor (`Padded.unit`) that follows it through the reshapes that merge it with the
+head width or split it off, and a fused projection's chunks each padded and then interleaved
+(`Interleaved.padded`).
+
 `hold_in_layouts` grows each layout from its seed (the sliced value, the table) to every value
 indexed alike through the factor rules (the kernel, its bias, gradients, optimizer state,
 logits), and traces the program again from a run of its ops that keeps those values so: ops
@@ -56,9 +62,13 @@ VOCAB_MIN = 1024       # smaller tables (token types, relative positions) are le
 
 
 class Interleaved(NamedTuple):
-  """Dimension `dim` of `chunks` equal chunks, held chunk-minor."""
+  """Dimension `dim` of `chunks` equal chunks, held chunk-minor; with `padded` (0: none), of
+  `size` held as `padded`, zeros after the user's part: each chunk padded at its end (by whole
+  heads, `heads.pad_heads`) and then interleaved."""
   dim: int
   chunks: int
+  size: int = 0
+  padded: int = 0
 
   def _swap(self, x, first: int):
     import jax.numpy as jnp
@@ -67,20 +77,29 @@ class Interleaved(NamedTuple):
     return jnp.reshape(jnp.swapaxes(y, d, d + 1), s)
 
   def store(self, x):
-    return self._swap(x, self.chunks)
+    x = self._swap(x, self.chunks)
+    return Padded(self.dim, self.size, self.padded).store(x) if self.padded else x
 
   def load(self, x):
+    if self.padded:
+      x = Padded(self.dim, self.size, self.padded).load(x)
     return self._swap(x, x.shape[self.dim] // self.chunks)
 
   def __str__(self) -> str:
-    return f"dimension {self.dim} interleaved by its {self.chunks} chunks"
+    pad = (f", padded from {self.size} to {self.padded} (by heads)" if self.padded else "")
+    return f"dimension {self.dim} interleaved by its {self.chunks} chunks{pad}"
 
 
 class Padded(NamedTuple):
-  """Dimension `dim` of `size` held as `padded`, zeros after the user's part."""
+  """Dimension `dim` of `size` held as `padded`, zeros after the user's part. `unit` (0: none):
+  the padding is of the dimension's major factor, whose elements are `unit` wide, so it
+  follows that factor through reshapes that merge it with minor ones or split them off
+  (attention heads: a projection's columns padded by whole heads are the heads dimension
+  padded once the columns are split into heads, whose `unit` is 1)."""
   dim: int
   size: int
   padded: int
+  unit: int = 0
 
   def store(self, x):
     import jax.numpy as jnp
@@ -99,8 +118,9 @@ class Padded(NamedTuple):
     return lax.broadcasted_iota(jnp.int32, shape, dim) < self.size
 
   def __str__(self) -> str:
-    return (f"dimension {self.dim} padded from {self.size} to {self.padded} "
-            f"(+{100 * (self.padded / self.size - 1):.2g}% of its work)")
+    what = (f"{self.size // self.unit} heads to {self.padded // self.unit}" if self.unit else
+            f"+{100 * (self.padded / self.size - 1):.2g}% of its work")
+    return f"dimension {self.dim} padded from {self.size} to {self.padded} ({what})"
 
 
 class StageChunks(NamedTuple):
@@ -158,12 +178,11 @@ def _held(program: Program) -> dict:
   for vid, dim, layout, ops in seeds:
     if vid in found:
       continue
-    members = _grow(program, table, vid, dim, ops)
+    members = _grow(program, table, vid, layout._replace(dim=dim), ops)
     if (members is None or params.isdisjoint(members) or not _usable(program, members)
         or any(v in found for v in members)):
       continue
-    for v, d in members.items():
-      found[v] = layout._replace(dim=d)
+    found.update(members)
   return found
 
 
@@ -213,32 +232,55 @@ def _factor_of(entry, vid: int, dim: int) -> tuple:
   return ()
 
 
-def _linked(entry, op, vid: int, dim: int, ops) -> list[tuple[int, int]] | None:
-  """The tensor dims an op among `ops` indexes like `dim` of `vid`, or None where it does not
-  (another op, a dimension merged with others, one the op needs whole)."""
+def _linked(entry, op, vid: int, lay, ops) -> list[tuple[int, object]] | None:
+  """The tensors an op among `ops` indexes like dimension `lay.dim` of `vid`, each with its
+  layout, or None where it does not (another op, a dimension merged with others, one the op
+  needs whole). A merged padding follows the dimension's major factor into every dimension
+  that holds that factor first."""
   if op.name not in ops:
     return None
-  fl = _factor_of(entry, vid, dim)
-  if len(fl) != 1 or entry.factors.kinds[fl[0]] == REPL:
+  fl = _factor_of(entry, vid, lay.dim)
+  if not fl or entry.factors.kinds[fl[0]] == REPL:
     return None
-  holders = [(v, k, t) for v, dfs in entry.tensors for k, t in enumerate(dfs) if fl[0] in t]
-  if any(len(t) != 1 for _, _, t in holders):
+  sizes = entry.factors.sizes
+  minor = lambda t: math.prod(sizes[f] for f in t[1:])
+  merged = isinstance(lay, Padded) and lay.unit > 0
+  if merged:   # the major factor's padded size and its elements' width
+    if (sizes[fl[0]] * minor(fl) != lay.size or lay.padded % minor(fl)
+        or lay.unit % minor(fl)):
+      return None
+    major, width = lay.padded // minor(fl), lay.unit // minor(fl)
+  elif len(fl) != 1:
     return None
-  return [(v, k) for v, k, _ in holders]
+  out = []
+  for v, dfs in entry.tensors:
+    for k, t in enumerate(dfs):
+      if fl[0] not in t:
+        continue
+      if not merged:
+        if len(t) != 1:
+          return None
+        out.append((v, lay._replace(dim=k)))
+      elif t[0] != fl[0]:
+        return None
+      else:
+        out.append((v, lay._replace(dim=k, size=sizes[fl[0]] * minor(t),
+                                    padded=major * minor(t), unit=width * minor(t))))
+  return out
 
 
-def _grow(program: Program, table, seed: int, dim: int, ops) -> dict[int, int] | None:
-  """Every (value, dim) indexed like the seed's through `ops`; None if a value would hold two
-  such dimensions."""
-  members, work = {seed: dim}, [seed]
+def _grow(program: Program, table, seed: int, layout, ops) -> dict | None:
+  """Every value indexed like the seed's dimension through `ops`, with its layout; None if a
+  value would hold two such dimensions."""
+  members, work = {seed: layout}, [seed]
   while work:
     vid = work.pop()
     for i in table.touching[vid]:
-      for v, k in _linked(table[i], program.ops[i], vid, members[vid], ops) or ():
+      for v, lay in _linked(table[i], program.ops[i], vid, members[vid], ops) or ():
         if v not in members:
-          members[v] = k
+          members[v] = lay
           work.append(v)
-        elif members[v] != k:
+        elif members[v] != lay:
           return None
   return members
 
@@ -268,9 +310,10 @@ def _rewrite(program: Program, held: dict, trace) -> Program:
       lay = held.get(v)
       if lay is None:
         continue
-      ops = _PERMUTES if isinstance(lay, Interleaved) else _PADS
-      linked = _linked(entry, op, v, lay.dim, ops)
-      if linked is None or any(held.get(u) != lay._replace(dim=k) for u, k in linked):
+      ops = (_PADS if isinstance(lay, Padded) else
+             _PERMUTES & _PADS if lay.padded else _PERMUTES)
+      linked = _linked(entry, op, v, lay, ops)
+      if linked is None or any(held.get(u) != k for u, k in linked):
         return False
     return True
 
@@ -280,9 +323,10 @@ def _rewrite(program: Program, held: dict, trace) -> Program:
     if all(lay is None for lay in lay_in + lay_out):
       return bind(op, args, op.params)
     if alike(op):
-      if not any(isinstance(lay, Padded) for lay in lay_in + lay_out):
+      pad_in, pad_out = [_padding(lay) for lay in lay_in], [_padding(lay) for lay in lay_out]
+      if not any(pad_in + pad_out):
         return bind(op, args, op.params)
-      return _padded_op(program, table, op, args, lay_in, lay_out)
+      return _padded_op(program, table, op, args, pad_in, pad_out)
     out = _chunk_op(program, op, args, lay_in, lay_out)
     if out is not None:
       return out
@@ -314,44 +358,90 @@ def _rewrite(program: Program, held: dict, trace) -> Program:
 
 
 def _held_shape(shape, lay) -> tuple[int, ...]:
-  if isinstance(lay, Padded):
-    return shape[:lay.dim] + (lay.padded,) + shape[lay.dim + 1:]
+  pad = _padding(lay)
+  if pad is not None:
+    return shape[:pad.dim] + (pad.padded,) + shape[pad.dim + 1:]
   return tuple(shape)
+
+
+def _padding(lay) -> Padded | None:
+  """The padding a layout holds its dimension with, if any (a padded fused projection's too)."""
+  if isinstance(lay, Padded):
+    return lay
+  if isinstance(lay, Interleaved) and lay.padded:
+    return Padded(lay.dim, lay.size, lay.padded)
+  return None
+
+
+def _as_chunk(x, d: int, user: int, lay):
+  """A chunk taken from a held fused value (`user` wide, held as wide as `x`) in `lay`, the
+  chunk's own layout: its user's part, or padded as held; None where it is neither."""
+  from jax import lax
+  if lay is None:
+    return x if x.shape[d] == user else lax.slice_in_dim(x, 0, user, axis=d)
+  if isinstance(lay, Padded) and lay.size == user and lay.padded == x.shape[d]:
+    return x
+  return None
 
 
 def _chunk_op(program: Program, op, args, lay_in, lay_out):
   """A chunk taken from an interleaved value (slice), or one placed in it (pad, concatenate),
-  as a reshape to `(c, n)` and an op on the `n` dimension; None for anything else."""
+  as a reshape to `(c, n)` and an op on the `n` dimension; None for anything else. A padded
+  interleaved value's chunks are padded as it is (`c` is then the held chunk's width)."""
   import jax.numpy as jnp
   from jax import lax
   src = program.values[op.inputs[0]].shape
   dst = program.values[op.outputs[0]].shape
-  if op.name == "slice" and isinstance(lay_in[0], Interleaved) and lay_out[0] is None:
-    d, n = lay_in[0]
+  if (op.name == "slice" and isinstance(lay_in[0], Interleaved)
+      and not isinstance(lay_out[0], Interleaved)):
+    d, n = lay_in[0].dim, lay_in[0].chunks
     c = src[d] // n
     starts, limits = op.params["start_indices"], op.params["limit_indices"]
     strides = op.params.get("strides") or (1,) * len(src)
     if (all((starts[k], limits[k]) == (0, src[k]) for k in range(len(src)) if k != d)
         and strides[d] == 1 and limits[d] - starts[d] == c and starts[d] % c == 0):
-      x = jnp.reshape(args[0], src[:d] + (c, n) + src[d + 1:])
-      return [lax.index_in_dim(x, starts[d] // c, axis=d + 1, keepdims=False)]
-  if op.name == "pad" and lay_in[0] is None and isinstance(lay_out[0], Interleaved):
-    d, n = lay_out[0]
+      held = args[0].shape
+      x = jnp.reshape(args[0], held[:d] + (held[d] // n, n) + held[d + 1:])
+      chunk = _as_chunk(lax.index_in_dim(x, starts[d] // c, axis=d + 1, keepdims=False), d, c,
+                        lay_out[0])
+      return None if chunk is None else [chunk]
+  if op.name == "pad" and isinstance(lay_out[0], Interleaved) and not isinstance(
+      lay_in[0], Interleaved):
+    lay = lay_out[0]
+    d, n = lay.dim, lay.chunks
     c = dst[d] // n
     config = [tuple(p) for p in op.params["padding_config"]]
     lo, hi, interior = config[d]
     if (src[d] == c and interior == 0 and lo % c == 0 and lo + c + hi == dst[d]
         and all(p == (0, 0, 0) for k, p in enumerate(config) if k != d)):
-      x = jnp.expand_dims(args[0], d + 1)
+      x = _chunk_to(args[0], lay_in[0], lay)
+      if x is None:
+        return None
+      x = jnp.expand_dims(x, d + 1)
       pads = [(0, 0, 0)] * x.ndim
       pads[d + 1] = (lo // c, hi // c, 0)
-      return [jnp.reshape(lax.pad(x, args[1], pads), dst)]
+      return [jnp.reshape(lax.pad(x, args[1], pads), _held_shape(dst, lay))]
   if (op.name == "concatenate" and isinstance(lay_out[0], Interleaved)
-      and op.params["dimension"] == lay_out[0].dim and all(lay is None for lay in lay_in)):
-    d, n = lay_out[0]
+      and op.params["dimension"] == lay_out[0].dim
+      and not any(isinstance(lay, Interleaved) for lay in lay_in)):
+    lay = lay_out[0]
+    d, n = lay.dim, lay.chunks
     if len(args) == n and all(program.values[v].shape[d] == dst[d] // n for v in op.inputs):
-      return [jnp.reshape(jnp.stack(args, axis=d + 1), dst)]
+      chunks = [_chunk_to(x, li, lay) for x, li in zip(args, lay_in)]
+      if any(x is None for x in chunks):
+        return None
+      return [jnp.reshape(jnp.stack(chunks, axis=d + 1), _held_shape(dst, lay))]
   return None
+
+
+def _chunk_to(x, lay, fused: Interleaved):
+  """A chunk in layout `lay` (None or padded) as the chunks of `fused` are held."""
+  if not fused.padded:
+    return x if lay is None else None
+  width = fused.padded // fused.chunks
+  if lay is None:
+    return Padded(fused.dim, x.shape[fused.dim], width).store(x)
+  return x if isinstance(lay, Padded) and lay.padded == width else None
 
 
 def _padded_op(program: Program, table, op, args, lay_in, lay_out) -> list:

@@ -141,8 +141,10 @@ def _held_by_stage(program: Program, stack: Stack, S: int, V: int, what: str):
       v for v, k in zip(enter_b.inputs[rb.num_carry:], stack.backward_xs) if k is None]
   table = factor_table(program)
   members: dict[int, int] = {}
+  layer = StageChunks(0, S, V)
   for seed in seeds:
-    grown = _grow(program, table, seed, 0, _PERMUTES) if seed not in members else {}
+    grown = _grow(program, table, seed, layer, _PERMUTES) if seed not in members else {}
+    grown = grown if grown is None else {v: lay.dim for v, lay in grown.items()}
     if grown is None or any(members.get(v, d) != d for v, d in grown.items()):
       _refuse(what, f"{program.name(seed)} is indexed by layer along two dimensions; the "
                     "interleaved schedule cannot hold its layers by stage")
@@ -154,7 +156,8 @@ def _held_by_stage(program: Program, stack: Stack, S: int, V: int, what: str):
                     f"{program.values[v].shape[d]} of them")
     producer = program.values[v].producer
     for i in list(program.users[v]) + ([producer] if producer is not None else []):
-      if i not in loops and _linked(table[i], ops[i], v, d, _PERMUTES) is None:
+      if i not in loops and _linked(table[i], ops[i], v, layer._replace(dim=d),
+                                    _PERMUTES) is None:
         _refuse(what, f"op #{i} ({ops[i].name}) reads {program.name(v)} other than layer by "
                       "layer; the interleaved schedule holds its layers by stage")
   inputs = {k: StageChunks(members[v], S, V) for k, v in enumerate(program.inputs)

@@ -123,6 +123,9 @@ class ProgramRewrite(Tactic):
     """Tiles what the rewritten program must have split (a pipeline's stages)."""
 
   def apply(self, ctx):
+    if any(isinstance(t, ProgramRewrite) for t in ctx.schedule):
+      raise ScheduleError(f"{self} rewrites the program, and so does {ctx.schedule[0]}: a "
+                          f"schedule holds one such tactic")
     raise ScheduleError(f"{self} rewrites the program the other tactics shard: put it first in "
                         f"the schedule (it came after {format_schedule(ctx.schedule)})")
 
@@ -212,6 +215,34 @@ class Pipeline(ProgramRewrite):
     for vid, dim in ctx.program.stage_values:
       ctx.tile(vid, dim, self.axis)
     ctx.propagate()
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class HeadPadding(ProgramRewrite):
+  """Attention heads padded to divide over `axis`: where an attention's heads do not divide by
+  the axis' size (12 heads over 8 devices), its query, key, value and output projections are
+  held with zero heads added up to a multiple of it (16), so that `Megatron(axis)` splits
+  them rather than leaving the attention whole on every device, as GSPMD pads an uneven
+  dimension (partitioner/heads.py). The zero heads add nothing to the results
+  and cost their work, which the simulator prices. Nothing changes where the heads divide."""
+  axis: str
+  name: ClassVar[str] = "HeadPadding"
+
+  def rewrite(self, program, mesh):
+    from partitioner.heads import pad_heads
+    mesh.check_axis(self.axis)
+    return pad_heads(program, mesh.size(self.axis))
+
+  def describe(self, program) -> str:
+    from partitioner.heads import padded_heads
+    pairs, count = padded_heads(program)
+    if not count:
+      return (f"nothing padded: every attention's heads divide over {self.axis}, or none can "
+              f"be padded (grouped key/value heads that do not divide, a scanned stack)")
+    return ("attention heads padded with zero heads: " + ", ".join(
+        f"{a} -> {b} (+{100 * (b / a - 1):.0f}% of the attention's work)"
+        for a, b in sorted(pairs)) + f"; {count} inputs held padded")
 
 
 @register

@@ -110,3 +110,33 @@ def test_micro_batch_counts_that_cannot_fit_are_not_traced():
   assert _next_count(84 * gib, 2, 97 * gib, 80 * gib) is None      # cutting grew the peak
   assert _next_count(120 * gib, 2, 110 * gib, 80 * gib) is None    # 100 GiB does not shrink
   assert _next_count(120 * gib, 2, 90 * gib, 80 * gib) == 4        # 60 + 60/k: k >= 3
+
+
+def test_megatron_plans_are_tried_again_with_their_attention_heads_padded():
+  """gpt:mini with 6 heads over 4 devices: Megatron leaves the attention whole on each; after
+  `HeadPadding(model)` it splits 8 heads two to a device, and the plan is faster. The guard
+  (`with_heads_padded`) and the expert agent's evaluation (`heads_padded_plan`) find it."""
+  from agents.guard import with_heads_padded
+  from environments.tasks import load_program
+  from launch.evaluation import AgentSpec, heads_padded_plan
+  from partitioner import apply
+  from partitioner.cost import simulate
+  env = PartitioningEnv(Task("gpt:mini,heads=6,d_model=768", "batch=2,model=4", "h100"),
+                        config=EnvConfig(max_steps=8))
+  env.reset()
+  ctx = env.context
+  program = load_program(ctx.task.model)
+  megatron = "BatchParallel(batch); Megatron(model)"
+  plans = [("dp+megatron", megatron), ("zero3", "BatchParallel(batch); ZeRO(batch, stage=3)")]
+  whole = simulate(apply(program, ctx.mesh, megatron), "h100").step_time_s
+  found = with_heads_padded(program, ctx, plans, float("inf"))
+  assert found.k == 1 and found.base == "dp+megatron"
+  assert [str(t) for t in found.pp.schedule] == ["HeadPadding(model)", "BatchParallel(batch)",
+                                                 "Megatron(model)"]
+  assert found.cost.step_time_s < whole
+  assert with_heads_padded(program, ctx, plans, found.cost.step_time_s) is None
+  row = heads_padded_plan(AgentSpec("expert"), env)   # not played yet: anything beats no plan
+  assert row["schedule"].startswith("HeadPadding(model); ") and row["fits"]
+  # A search agent decides every axis of the padded program itself, as it does a pipeline's.
+  row = heads_padded_plan(AgentSpec("greedy"), env)
+  assert row["schedule"].startswith("HeadPadding(model); ") and row["fits"]
