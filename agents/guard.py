@@ -134,9 +134,9 @@ def _next_count(peak: float, k: int, peak_k: float, budget: float) -> int | None
 
 
 class Microbatched(NamedTuple):
-  """A plan that fits once its batch is cut into micro-batches (or streamed through pipeline
-  stages in them: `pp.program.stages > 1`; or, `k` = 1, with its attention heads padded to
-  split over the model axis: `HeadPadding`)."""
+  """A plan that fits once its batch is cut into `k` micro-batches (or streamed through
+  pipeline stages in them: `pp.program.stages > 1`), or with its attention heads padded to
+  split (`HeadPadding` first in `pp.schedule`; `k` = 1 where it is not cut as well)."""
   k: int
   base: str          # the plan it cuts: "policy" or a hand schedule's name
   pp: object         # the partitioned (rewritten) task program
@@ -156,8 +156,6 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   every plan again with its attention heads padded where they do not divide its Megatron axis
   (`with_heads_padded`): the fastest of those that fit and beat `faster_than`. None where none
   does."""
-  from partitioner.cost import simulate
-  from partitioner.partition import PartitionedProgram
   from partitioner.tactics import Microbatch, parse_schedule
   from environments.tasks import load_program
   candidates = [("policy", guarded.policy_schedule, guarded.policy_step_s,
@@ -173,19 +171,10 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   best = None
   for name, schedule, _, _, peak, arguments in candidates[:plans]:
     tactics = [t for t in parse_schedule(schedule) if not isinstance(t, Microbatch)]
-    k = _first_count(peak, arguments, ctx.budget)
-    while k is not None and k <= largest:
-      try:
-        pp = PartitionedProgram(program, ctx.mesh).apply([Microbatch(k)] + tactics)
-      except ShardzeroError:   # the batch does not divide, or the step cannot be cut
-        break
-      cost = simulate(pp, ctx.task.hardware)
-      if cost.peak_memory_bytes <= ctx.budget:
-        if cost.step_time_s < faster_than and (
-            best is None or cost.step_time_s < best.cost.step_time_s):
-          best = Microbatched(k, name, pp, cost)
-        break
-      k = _next_count(peak, k, cost.peak_memory_bytes, ctx.budget)
+    cut = _cut_to_fit(program, ctx, (), tactics, peak, arguments, largest)
+    if cut is not None and cut[2].step_time_s < faster_than and (
+        best is None or cut[2].step_time_s < best.cost.step_time_s):
+      best = Microbatched(cut[0], name, cut[1], cut[2])
   # Hand schedules that rewrite the program first (pipelines, `pp+dp` and `ptd-p`) are not
   # actions of the environment, which is built on the program as traced; they are costed here,
   # on the task's program, at a few micro-batch counts, with the policy's own pipelined plan.
@@ -203,14 +192,38 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   limit = faster_than if best is None else min(faster_than, best.cost.step_time_s)
   everything = [("policy", guarded.policy_schedule)] + [
       (h.name, h.schedule) for h in guarded.hand if h.cost is not None]
-  padded = with_heads_padded(program, ctx, everything, limit)
+  padded = with_heads_padded(program, ctx, everything, limit, largest)
   return padded or best
 
 
-def with_heads_padded(program, ctx, plans, faster_than: float) -> Microbatched | None:
+def _cut_to_fit(program, ctx, rewrites, tactics, peak: float, arguments: float,
+                largest: int):
+  """(k, partitioned program, cost) of `rewrites` then `Microbatch(k)` then `tactics` on
+  `program`, with the fewest micro-batches (2, 4, 8... up to `largest`) that fit the budget,
+  given the plan's uncut peak and the inputs' share of it; None where none does (counts that
+  cannot fit are not traced: `_first_count`, `_next_count`)."""
+  from partitioner.cost import simulate
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import Microbatch
+  k = _first_count(peak, arguments, ctx.budget)
+  while k is not None and k <= largest:
+    try:
+      pp = PartitionedProgram(program, ctx.mesh).apply([*rewrites, Microbatch(k), *tactics])
+    except ShardzeroError:   # the batch does not divide, or the step cannot be cut
+      return None
+    cost = simulate(pp, ctx.task.hardware)
+    if cost.peak_memory_bytes <= ctx.budget:
+      return k, pp, cost
+    k = _next_count(peak, k, cost.peak_memory_bytes, ctx.budget)
+  return None
+
+
+def with_heads_padded(program, ctx, plans, faster_than: float,
+                      largest: int = 64) -> Microbatched | None:
   """The fastest of `plans` ((name, schedule) pairs) that apply Megatron over an axis some
   attention's heads do not divide (12 heads over 8 devices, which it leaves whole on every
-  device), again after `HeadPadding` over that axis, where it fits and beats `faster_than`;
+  device), again after `HeadPadding` over that axis (and where that is over the budget, with
+  the fewest micro-batches that fit, up to `largest`), where it fits and beats `faster_than`;
   None where none does. Like a pipeline, the padding rewrites the program, which the
   environment cannot play."""
   from partitioner.cost import simulate
@@ -227,8 +240,14 @@ def with_heads_padded(program, ctx, plans, faster_than: float) -> Microbatched |
         pp = PartitionedProgram(program, ctx.mesh).apply([HeadPadding(axis)] + tactics)
       except ShardzeroError:
         continue
-      cost = simulate(pp, ctx.task.hardware)
-      if cost.peak_memory_bytes <= ctx.budget and cost.step_time_s < faster_than and (
+      cost, k = simulate(pp, ctx.task.hardware), 1
+      if cost.peak_memory_bytes > ctx.budget:
+        cut = _cut_to_fit(program, ctx, [HeadPadding(axis)], tactics, cost.peak_memory_bytes,
+                          cost.memory.argument_bytes, largest)
+        if cut is None:
+          continue
+        k, pp, cost = cut
+      if cost.step_time_s < faster_than and (
           best is None or cost.step_time_s < best.cost.step_time_s):
-        best = Microbatched(1, name, pp, cost)
+        best = Microbatched(k, name, pp, cost)
   return best

@@ -85,6 +85,7 @@ def run(args) -> int:
   from partitioner.cost import load_hardware
   from partitioner.errors import ShardzeroError
   from partitioner.mesh import Mesh
+  from partitioner.tactics import HeadPadding, ProgramRewrite
 
   Mesh.parse(args.mesh)
   load_hardware(args.hardware)
@@ -163,15 +164,22 @@ def run(args) -> int:
     gain = (f"fits, {before / cost.step_time_s:.2f}x faster than the answer it replaces"
             if guarded.fits else "fits")
     stages = found.program.stages
-    outside = "costed outside the search environment, which cannot play a rewrite"
-    how = (f"streamed through {stages} pipeline stages in {micro.k} micro-batches ({outside})"
-           if stages > 1 else f"with its batch cut into {micro.k} micro-batches" if micro.k > 1
-           else f"with its attention heads padded to split ({found.schedule[0]}, {outside})")
+    rewrites = [t for t in found.schedule if isinstance(t, ProgramRewrite)]
+    padded = [t for t in rewrites if isinstance(t, HeadPadding)]
+    parts = [f"its attention heads padded to split ({t})" for t in padded]
+    if stages > 1:
+      parts.append(f"its step streamed through {stages} pipeline stages in {micro.k} "
+                   "micro-batches")
+    elif micro.k > 1:
+      parts.append(f"its batch cut into {micro.k} micro-batches")
+    how = " and ".join(parts)
+    how = "with " + how + (" (costed outside the search environment, which cannot play such "
+                           "a rewrite)" if stages > 1 or padded else "")
     result.update({
         "schedule": found.decided, "tactics": found.decided.split("; "),
         "cost": _cost_dict(cost, ctx.budget), "answer": found.decided, "fits": True,
-        "winner": micro.base if stages > 1 else f"{micro.base} with " + (
-            f"Microbatch({micro.k})" if micro.k > 1 else str(found.schedule[0])),
+        "winner": micro.base if stages > 1 else
+        f"{micro.base} with {'; '.join(str(t) for t in rewrites)}",
         "microbatches": micro.k,
         "guard": f"{guarded.summary()}; {how}, {base} {gain}",
         "cost_ratio_to_expert": None if guarded.best_hand is None else

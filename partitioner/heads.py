@@ -60,11 +60,13 @@ def pad_heads(program: Program, m: int) -> Program:
   if not added:
     return program
   try:
-    return _rewrite(raw, {**held, **added}, lambda f, shapes: trace(
+    out = _rewrite(raw, {**held, **added}, lambda f, shapes: trace(
         f, *abstract_args(raw, shapes), arg_names=raw.arg_names, loops="keep", layouts=False))
   except Exception as e:
     raise ScheduleError(f"the step could not be traced with its attention heads padded "
                         f"({type(e).__name__}: {e})") from e
+  out.head_multiple = m   # a step traced again (at a micro-batch's size) is padded again
+  return out
 
 
 def padded_heads(program: Program) -> tuple[set[tuple[int, int]], int]:

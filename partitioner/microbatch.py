@@ -168,6 +168,9 @@ def retrace_small(program: Program, picked: list[int], n: int, k: int, what: str
   except WorkloadError as e:
     _refuse(what, f"the step does not trace at a micro-batch of {n // k} examples (does it fix "
                   f"the batch size?): {e}")
+  if program.head_multiple > 1:   # its attention heads padded (`HeadPadding`): so again
+    from partitioner.heads import pad_heads
+    small = pad_heads(small, program.head_multiple)
   _same_structure(program, small, what)
   return small
 

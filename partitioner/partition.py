@@ -57,17 +57,20 @@ class PartitionedProgram:
             solver: AutoSolver | None = None) -> "PartitionedProgram":
     """The schedule's tactics applied after this program's; `solver` decides `Auto` tactics."""
     tactics = as_tactics(schedule)
-    if tactics and isinstance(tactics[0], ProgramRewrite) and not self.schedule:
+    rewritten = all(isinstance(t, ProgramRewrite) for t in self.schedule)
+    if tactics and isinstance(tactics[0], ProgramRewrite) and rewritten:
+      # Rewrites come first, one after another (`HeadPadding(model); Microbatch(4)`).
       start = time.perf_counter()
       program = tactics[0].rewrite(self.program, self.mesh)
       state = ShardingState(program, self.mesh)
-      ctx = TacticContext(state, 0, solver=solver)
+      ctx = TacticContext(state, len(self.schedule), solver=solver)
       tactics[0].shard(ctx)
       report = TacticReport(str(tactics[0]), tuple(ctx.targets), ctx.visits,
                             (tactics[0].describe(program),) + tuple(ctx.notes),
                             time.perf_counter() - start)
-      return PartitionedProgram(program, self.mesh, state, schedule=tactics[:1],
-                                reports=[report]).apply(tactics[1:], solver)
+      return PartitionedProgram(program, self.mesh, state,
+                                schedule=self.schedule + tuple(tactics[:1]),
+                                reports=self.reports + (report,)).apply(tactics[1:], solver)
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)
     for tactic in tactics:

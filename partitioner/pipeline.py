@@ -86,6 +86,9 @@ def pipeline(program: Program, stages: int, microbatches: int,
                   f"{microbatches} micro-batches do not divide into rounds of {stages}")
   if program.microbatches > 1:
     _refuse(what, "the program is cut into micro-batches already; Pipeline streams its own")
+  if program.head_multiple > 1:
+    _refuse(what, "its attention heads are padded (HeadPadding), which cannot reach into a "
+                  "layer stack's loop: pipeline the step as traced")
   if program.source is None:
     _refuse(what, "the program was not traced from a function (partitioner.trace), so it "
                   "cannot be traced again at a micro-batch's size")

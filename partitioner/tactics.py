@@ -109,7 +109,8 @@ class Tactic(abc.ABC):
 
 class ProgramRewrite(Tactic):
   """A tactic that rewrites the program the other tactics shard (`Microbatch`): it comes
-  first in a schedule, and `PartitionedProgram.apply` partitions what it returns."""
+  first in a schedule (after other rewrites only: `HeadPadding(model); Microbatch(4)`), and
+  `PartitionedProgram.apply` partitions what it returns."""
 
   @abc.abstractmethod
   def rewrite(self, program, mesh):
@@ -123,9 +124,6 @@ class ProgramRewrite(Tactic):
     """Tiles what the rewritten program must have split (a pipeline's stages)."""
 
   def apply(self, ctx):
-    if any(isinstance(t, ProgramRewrite) for t in ctx.schedule):
-      raise ScheduleError(f"{self} rewrites the program, and so does {ctx.schedule[0]}: a "
-                          f"schedule holds one such tactic")
     raise ScheduleError(f"{self} rewrites the program the other tactics shard: put it first in "
                         f"the schedule (it came after {format_schedule(ctx.schedule)})")
 
@@ -232,6 +230,9 @@ class HeadPadding(ProgramRewrite):
   def rewrite(self, program, mesh):
     from partitioner.heads import pad_heads
     mesh.check_axis(self.axis)
+    if program.microbatches > 1 or program.head_multiple > 1:
+      raise ScheduleError(f"{self} pads the step as traced: put it before Microbatch and "
+                          f"Pipeline, once")
     return pad_heads(program, mesh.size(self.axis))
 
   def describe(self, program) -> str:

@@ -140,3 +140,20 @@ def test_megatron_plans_are_tried_again_with_their_attention_heads_padded():
   # A search agent decides every axis of the padded program itself, as it does a pipeline's.
   row = heads_padded_plan(AgentSpec("greedy"), env)
   assert row["schedule"].startswith("HeadPadding(model); ") and row["fits"]
+
+
+def test_a_padded_plan_over_the_budget_is_cut_into_micro_batches():
+  from agents.guard import with_heads_padded
+  from environments.tasks import load_program
+  from partitioner import apply
+  from partitioner.cost import simulate
+  model, mesh = "gpt:mini,heads=6,d_model=768", "batch=2,model=4"
+  program = load_program(model)
+  megatron = "BatchParallel(batch); Megatron(model)"
+  whole = simulate(apply(program, mesh, "HeadPadding(model); " + megatron), "h100")
+  budget = int(whole.memory.argument_bytes + 0.5 * (whole.peak_memory_bytes -
+                                                    whole.memory.argument_bytes))
+  env = PartitioningEnv(Task(model, mesh, "h100", budget), config=EnvConfig(max_steps=8))
+  found = with_heads_padded(program, env.context, [("dp+megatron", megatron)], float("inf"))
+  assert found.k >= 2 and found.cost.peak_memory_bytes <= budget
+  assert [str(t) for t in found.pp.schedule][:2] == ["HeadPadding(model)", f"Microbatch({found.k})"]

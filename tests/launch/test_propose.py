@@ -86,6 +86,20 @@ def test_where_only_micro_batches_fit_propose_cuts_the_batch(capsys):
   assert "micro-batches" in data["guard"]
 
 
+def test_where_padded_heads_split_fastest_propose_answers_with_them(capsys):
+  """6 heads over 4 devices, wide layers, a small batch: Megatron with the heads padded to 8
+  beats every plan the environment can play (its heads whole, or data parallel)."""
+  code, out, err = run(capsys, "propose", "gpt:mini,heads=6,d_model=3072,batch=4,seq=512",
+                       "--mesh", "batch=2,model=4", "--json", "-")
+  data = json.loads(out)
+  assert code == 0, err
+  assert data["fits"] and data["answer"].startswith("HeadPadding(model); ")
+  assert data["cost"]["step_time_s"] < min(h["step_time_s"] for h in data["hand_schedules"]
+                                           if "step_time_s" in h)
+  assert "heads padded" in data["guard"]
+  assert any("6 heads to 8" in lay for lay in data["layouts"].values())
+
+
 def test_auto_with_a_policy_refuses_to_apply_a_plan_that_does_not_fit(capsys):
   schedule = f"BatchParallel(batch); Auto(model, policy='{policies.DEFAULT}', memory='1KiB')"
   code, _, err = run(capsys, "partition", "mlp:mini", "--mesh", "batch=4,model=2", "--tactics",

@@ -130,13 +130,26 @@ def test_nothing_is_padded_where_the_heads_divide():
   assert pp.reports[0].notes[0].startswith("nothing padded")
 
 
-def test_head_padding_comes_first_and_alone_and_names_an_axis_of_the_mesh():
+def test_padded_heads_are_cut_into_micro_batches_and_verify():
+  """`Microbatch` traces the step again at a micro-batch's size: padded again, op for op."""
+  step, args = _step(6)
+  program = P.trace(step, *args)
+  pp = P.apply(program, MESH, "HeadPadding(model); Microbatch(2); " + DP_MEGATRON)
+  assert pp.program.microbatches == 2 and pp.program.layouts == pad_heads(program, 4).layouts
+  assert [r.tactic for r in pp.reports][:2] == ["HeadPadding(model)", "Microbatch(2)"]
+  result = verify(pp, args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_head_padding_comes_first_and_names_an_axis_of_the_mesh():
   step, args = _step(6)
   program = P.trace(step, *args)
   with pytest.raises(ScheduleError, match="put it first"):
     P.apply(program, MESH, "BatchParallel(batch); HeadPadding(model)")
-  with pytest.raises(ScheduleError, match="holds one such tactic"):
-    P.apply(program, MESH, "HeadPadding(model); Microbatch(2)")
+  with pytest.raises(ScheduleError, match="before Microbatch"):
+    P.apply(program, MESH, "Microbatch(2); HeadPadding(model)")
+  with pytest.raises(ScheduleError, match="heads are padded"):
+    P.apply(program, MESH, "HeadPadding(model); Pipeline(batch, microbatches=2)")
   with pytest.raises(ShardzeroError, match="tensor"):
     P.apply(program, MESH, "HeadPadding(tensor)")
 

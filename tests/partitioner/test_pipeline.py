@@ -191,7 +191,7 @@ def test_more_micro_batches_shrink_the_bubble(gpt):
     ("Pipeline(stage, stages=2, microbatches=2, virtual=2)",
      "the interleaved schedule takes 2 or more, the others 1"),
     ("Pipeline(stage, stages=3, microbatches=2, schedule=zigzag)", "schedule must be one of"),
-    ("Pipeline(stage, microbatches=2); Microbatch(2)", "holds one such tactic"),
+    ("Pipeline(stage, microbatches=2); Microbatch(2)", "cut into micro-batches already"),
 ])
 def test_what_cannot_be_pipelined_is_refused_in_one_line(gpt, schedule, message):
   fn, args, program = gpt
