@@ -13,8 +13,21 @@ from partitioner.mesh import Mesh
 from partitioner.plan import Plan, make_plan
 from partitioner.propagation import Conflict, ShardingState
 from partitioner.sharding import Sharding, spec_entries
-from partitioner.tactics import (AutoSolver, ProgramRewrite, Tactic, TacticContext, TacticReport,
+from partitioner.tactics import (AutoSolver, BatchParallel, ExpertParallel, ProgramRewrite,
+                                 SequenceParallel, Tactic, TacticContext, TacticReport,
                                  format_schedule, parse_schedule)
+
+
+def _acts_before(tactic: Tactic, done: Sequence[Tactic]) -> int | None:
+  """Where in `done` (the tactics applied) `tactic` acts, if not after them: `ExpertParallel`
+  before the first tactic that split the tokens over its axis (`BatchParallel`,
+  `SequenceParallel`), so that the tokens move to their experts whichever was written first
+  (applied after, it would meet tokens split over its axis at the expert matmuls and gather
+  every expert's weights instead)."""
+  if not isinstance(tactic, ExpertParallel):
+    return None
+  return next((k for k, t in enumerate(done) if isinstance(t, (BatchParallel, SequenceParallel))
+               and t.axis == tactic.axis), None)
 
 
 def as_mesh(mesh: Mesh | str | Mapping[str, int]) -> Mesh:
@@ -73,12 +86,41 @@ class PartitionedProgram:
                                 reports=self.reports + (report,)).apply(tactics[1:], solver)
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)
-    for tactic in tactics:
+    for i, tactic in enumerate(tactics):
+      k = _acts_before(tactic, done)
+      if k is not None:
+        return self._replayed(done, reports, k, tactic, list(tactics[i + 1:]), solver)
       ctx = TacticContext(state, len(done), schedule=done, solver=solver)
       tactic.apply(ctx)
       done.append(tactic)
       reports.append(ctx.report(tactic))
     return PartitionedProgram(self.program, self.mesh, state, done, reports, parent=self)
+
+  def _replayed(self, done: list[Tactic], reports: list[TacticReport], k: int, tactic: Tactic,
+                rest: list[Tactic], solver: AutoSolver | None) -> "PartitionedProgram":
+    """The tactics `done` (with their `reports`) applied again to this program's rewritten
+    program with `tactic` at position `k` (where it acts, `_acts_before`), then `rest`; an
+    `Auto` already applied replays what it chose."""
+    order = []
+    for t, report in zip(done, reports):
+      chose = [n[len("chose: "):] for n in report.notes if n.startswith("chose: ")]
+      order.append(parse_schedule(chose[0]) if chose and chose[0] != "nothing" else
+                   [] if chose else [t])
+    order = order[:k] + [[tactic]] + order[k:]
+    rewrites = [t for t in done if isinstance(t, ProgramRewrite)]
+    state = ShardingState(self.program, self.mesh)
+    if rewrites:   # the rewritten program, with what its last rewrite split (a pipeline's stages)
+      rewrites[-1].shard(TacticContext(state, len(rewrites) - 1, solver=solver))
+    base = PartitionedProgram(self.program, self.mesh, state, schedule=rewrites,
+                              reports=reports[:len(rewrites)])
+    out = base.apply([t for ts in order[len(rewrites):] for t in ts], solver)
+    moved = out.schedule.index(tactic)
+    report = out.reports[moved]
+    note = f"acts before {done[k]}, so that the tokens move to their experts (written after it)"
+    out.reports = out.reports[:moved] + (report._replace(notes=report.notes + (note,)),) + \
+        out.reports[moved + 1:]
+    out.state.changed = set(range(len(self.program.values)))   # a new lineage: any may differ
+    return out.apply(rest, solver)
 
   # --------------------------------------------------------------------------- results
   @functools.cached_property

@@ -477,9 +477,11 @@ def _tile_exactly(ctx, tactic, axis, targets, what) -> None:
 class ExpertParallel(Tactic):
   """Expert parallelism: weights with an expert dimension (a dimension a forward matmul treats
   as a batch dimension) are split along it over `axis`, and the tokens routed to an expert are
-  processed where its weights are. Where the batch is split over the same axis, the tactic that
-  came first wins at the expert matmuls: ExpertParallel first moves the tokens to their experts
-  (GShard); BatchParallel first keeps the tokens and gathers every expert's weights instead."""
+  processed where its weights are. Where the batch is split over the same axis, the tactic
+  applied first wins at the expert matmuls, so it acts before the tactics that split the tokens
+  over its axis wherever it is written (`PartitionedProgram.apply` replays them after it): the
+  tokens move to their experts (GShard), where, applied after them, it would keep the tokens
+  and gather every expert's weights."""
   axis: str
   name: ClassVar[str] = "ExpertParallel"
 

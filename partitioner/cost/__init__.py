@@ -17,9 +17,12 @@
 # where it had no buffer at all; XLA:CPU's reductions fuse what they read only over the minor
 # dimension and 32 elements or fewer, partitioner/cost/fusion.py; 14: `Megatron` splits an
 # untied output head by its vocabulary, partitioner/roles.py `output_heads`, padded where it
-# divides by nothing as tables are, so a schedule naming it costs what its plan now is), so that
-# stored evaluations made with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 14
+# divides by nothing as tables are, so a schedule naming it costs what its plan now is; 15:
+# `ExpertParallel` acts before the tactics that split the tokens over its axis also where it is
+# written after them, partitioner/partition.py `_acts_before`, so such a schedule moves the
+# tokens to their experts and costs what GShard's order does), so that stored evaluations made
+# with another model are redone rather than compared with these.
+COST_MODEL_VERSION = 15
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

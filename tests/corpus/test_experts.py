@@ -82,13 +82,15 @@ def test_expert_parallel_splits_the_expert_dimension(programs):
 
 
 @pytest.mark.parametrize("family", ["moe", "vmoe"])
-def test_gshard_moves_tokens_to_the_experts(family, programs):
-  """Where the batch and the experts share an axis, the earlier tactic wins at the expert
-  matmuls: GShard's order reshards tokens there, the reverse order the expert weights."""
-  _, program = programs(family)
+def test_gshard_moves_tokens_to_the_experts_whichever_is_written_first(family, programs):
+  """Where the batch and the experts share an axis, the tokens move to the experts at the
+  expert matmuls (GShard), not the expert weights to the tokens: ExpertParallel acts before
+  the tactics that split the tokens over its axis, also where it is written after them (it
+  used to meet tokens split over its axis and have every expert's weights gathered)."""
+  workload, program = programs(family)
   schedule = corpus.experts(family)["gshard"]
   experts = f"params/{family}/layer_1/experts"
-  assert schedule.startswith("ExpertParallel(model)")
+  assert schedule == "BatchParallel(batch); ExpertParallel(model); BatchParallel(model)"
   gshard = P.apply(program, MESH, schedule)
   reverse = P.apply(program, MESH, "BatchParallel(batch); BatchParallel(model); "
                     "ExpertParallel(model)")
@@ -96,12 +98,30 @@ def test_gshard_moves_tokens_to_the_experts(family, programs):
   def resharded_experts(pp):
     return {c.dropped.split(" on ")[0] for c in pp.conflicts if "/experts/" in c.dropped}
 
-  assert resharded_experts(gshard) == set()
-  assert any("(experts)" in c.kept and not c.dropped.startswith("params/")
-             for c in gshard.conflicts)   # the tokens are what moves
-  assert resharded_experts(reverse) == {f"{experts}/w_in", f"{experts}/w_out"}
   for pp in (gshard, reverse):
+    assert resharded_experts(pp).isdisjoint({f"{experts}/w_in", f"{experts}/w_out"})
+    assert any("(experts)" in c.kept and not c.dropped.startswith("params/")
+               for c in pp.conflicts)   # the tokens are what moves
     assert pp.sharding(f"{experts}/w_in").dims == (("model",), (), ())
+  assert [str(t) for t in reverse.schedule] == [
+      "BatchParallel(batch)", "ExpertParallel(model)", "BatchParallel(model)"]
+  assert "acts before BatchParallel(model)" in reverse.reports[1].notes[-1]
+  assert sorted((c.kind, c.axes, c.bytes) for c in reverse.collectives) == sorted(
+      (c.kind, c.axes, c.bytes) for c in gshard.collectives)
+  result = verify(reverse, workload.args)
+  assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_expert_parallel_written_late_replays_what_an_auto_before_it_chose(programs):
+  from agents.search.auto import solve
+  _, program = programs("moe")
+  pp = P.apply(program, MESH, "BatchParallel(model); Auto(batch, agent=greedy, budget=4); "
+               "ExpertParallel(model)", solver=solve)
+  # The Auto is replayed as what it chose, after the experts and the batch over `model`.
+  assert [str(t) for t in pp.schedule[:2]] == ["ExpertParallel(model)", "BatchParallel(model)"]
+  assert not any(isinstance(t, P.Auto) for t in pp.schedule)
+  again = P.apply(program, MESH, pp.decided)
+  assert again.decided == pp.decided and again.state.dims == pp.state.dims
 
 
 def test_sequence_parallel_splits_the_sequence(programs):

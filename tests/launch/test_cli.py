@@ -168,7 +168,8 @@ def test_corpus_lists_families_splits_and_experts(capsys):
   data = json.loads(out)
   assert set(data) == {"t5", "moe", "unet", "ssm"}
   assert data["moe"]["knobs"]["experts"] == 4 and "gshard" in data["moe"]["experts"]
-  assert data["moe"]["experts"]["gshard"]["schedule"].startswith("ExpertParallel(model)")
+  assert data["moe"]["experts"]["gshard"]["schedule"] == (
+      "BatchParallel(batch); ExpertParallel(model); BatchParallel(model)")
   assert "GShard" in data["moe"]["experts"]["gshard"]["description"]
 
 
