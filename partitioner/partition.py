@@ -14,20 +14,30 @@ from partitioner.plan import Plan, make_plan
 from partitioner.propagation import Conflict, ShardingState
 from partitioner.sharding import Sharding, spec_entries
 from partitioner.tactics import (AutoSolver, BatchParallel, ExpertParallel, ProgramRewrite,
-                                 SequenceParallel, Tactic, TacticContext, TacticReport,
+                                 SequenceParallel, Tactic, TacticContext, TacticReport, Tile,
                                  format_schedule, parse_schedule)
 
 
-def _acts_before(tactic: Tactic, done: Sequence[Tactic]) -> int | None:
-  """Where in `done` (the tactics applied) `tactic` acts, if not after them: `ExpertParallel`
-  before the first tactic that split the tokens over its axis (`BatchParallel`,
-  `SequenceParallel`), so that the tokens move to their experts whichever was written first
-  (applied after, it would meet tokens split over its axis at the expert matmuls and gather
-  every expert's weights instead)."""
+def _acts_before(tactic: Tactic, done: Sequence[Tactic], program: Program) -> int | None:
+  """Where in `done` (the tactics applied to `program`) `tactic` acts, if not after them:
+  `ExpertParallel` before the first tactic that split the tokens over its axis
+  (`BatchParallel`, `SequenceParallel`, a `Tile` of a data input), so that the tokens move to
+  their experts whichever was written first (applied after, it would meet tokens split over
+  its axis at the expert matmuls and gather every expert's weights instead)."""
   if not isinstance(tactic, ExpertParallel):
     return None
-  return next((k for k, t in enumerate(done) if isinstance(t, (BatchParallel, SequenceParallel))
-               and t.axis == tactic.axis), None)
+  from partitioner.roles import roles
+  data = None
+  for k, t in enumerate(done):
+    if getattr(t, "axis", None) != tactic.axis:
+      continue
+    if isinstance(t, (BatchParallel, SequenceParallel)):
+      return k
+    if isinstance(t, Tile):
+      data = frozenset(roles(program).data) if data is None else data
+      if not data.isdisjoint(program.match(t.value)):
+        return k
+  return None
 
 
 def as_mesh(mesh: Mesh | str | Mapping[str, int]) -> Mesh:
@@ -87,7 +97,7 @@ class PartitionedProgram:
     state = self.state.copy()
     done, reports = list(self.schedule), list(self.reports)
     for i, tactic in enumerate(tactics):
-      k = _acts_before(tactic, done)
+      k = _acts_before(tactic, done, self.program)
       if k is not None:
         return self._replayed(done, reports, k, tactic, list(tactics[i + 1:]), solver)
       ctx = TacticContext(state, len(done), schedule=done, solver=solver)

@@ -112,6 +112,16 @@ def test_gshard_moves_tokens_to_the_experts_whichever_is_written_first(family, p
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
 
 
+def test_expert_parallel_acts_before_a_tile_of_the_data_over_its_axis_too(programs):
+  from partitioner.roles import roles
+  _, program = programs("moe")
+  data = program.name(roles(program).data[0])
+  pp = P.apply(program, MESH, f"Tile({data}, 0, model); Tile({data}, 0, batch); "
+               "ExpertParallel(model)")
+  assert [str(t) for t in pp.schedule] == [
+      "ExpertParallel(model)", f"Tile({data}, 0, model)", f"Tile({data}, 0, batch)"]
+
+
 def test_expert_parallel_written_late_replays_what_an_auto_before_it_chose(programs):
   from agents.search.auto import solve
   _, program = programs("moe")
