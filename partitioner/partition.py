@@ -15,15 +15,15 @@ from partitioner.propagation import Conflict, ShardingState
 from partitioner.sharding import Sharding, spec_entries
 from partitioner.tactics import (AutoSolver, BatchParallel, ExpertParallel, ProgramRewrite,
                                  SequenceParallel, Tactic, TacticContext, TacticReport, Tile,
-                                 format_schedule, parse_schedule)
+                                 ZeRO, format_schedule, parse_schedule)
 
 
 def _acts_before(tactic: Tactic, done: Sequence[Tactic], program: Program) -> int | None:
   """Where in `done` (the tactics applied to `program`) `tactic` acts, if not after them:
   `ExpertParallel` before the first tactic that split the tokens over its axis
-  (`BatchParallel`, `SequenceParallel`, a `Tile` of a data input), so that the tokens move to
-  their experts whichever was written first (applied after, it would meet tokens split over
-  its axis at the expert matmuls and gather every expert's weights instead)."""
+  (`BatchParallel`, `SequenceParallel`, `ZeRO`, a `Tile` of a data input), so that the tokens
+  move to their experts whichever was written first (applied after, it would meet tokens split
+  over its axis at the expert matmuls and gather every expert's weights instead)."""
   if not isinstance(tactic, ExpertParallel):
     return None
   from partitioner.roles import roles
@@ -31,7 +31,7 @@ def _acts_before(tactic: Tactic, done: Sequence[Tactic], program: Program) -> in
   for k, t in enumerate(done):
     if getattr(t, "axis", None) != tactic.axis:
       continue
-    if isinstance(t, (BatchParallel, SequenceParallel)):
+    if isinstance(t, (BatchParallel, SequenceParallel, ZeRO)):
       return k
     if isinstance(t, Tile):
       data = frozenset(roles(program).data) if data is None else data

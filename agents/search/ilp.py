@@ -88,16 +88,17 @@ class ILPActor(PlanningActor):
 _ROLE_RANK = {"data": 0, "param": 2, "opt": 3}
 
 
-def _rank(ctx, action: int) -> int:
-  """Replay order: expert placement first, then data layouts (they decide what the batch axes
-  mean), then the other manual tactics, then parameters, then optimizer state, as expert
-  schedules are written; earlier tactics win propagation conflicts, so experts placed before
-  the batch is split over their axis move tokens to them instead of gathering their weights
-  (`corpus.experts`' GShard)."""
+def _rank(ctx, action: int) -> float:
+  """Replay order: data layouts and `BatchParallel` first (they decide what the batch axes
+  mean), then expert placement, then the other manual tactics, then parameters, then optimizer
+  state, as expert schedules are written (`corpus.experts`' GShard: the batch over the data
+  axes, the experts, the batch over their axis). Earlier tactics win propagation conflicts;
+  `ExpertParallel` acts before what split the batch over its own axis wherever it is replayed
+  (`partitioner.partition`), so the tokens move to the experts."""
   a = ctx.actions[action]
   if a.kind == "tile":
     return _ROLE_RANK.get(ctx.points[a.point].role, 1)
-  return -1 if a.kind == "ExpertParallel" else 1
+  return {"BatchParallel": 0, "ExpertParallel": 0.5}.get(a.kind, 1)
 
 
 def _serial(cost) -> float:

@@ -98,17 +98,21 @@ def test_on_a_folded_task_the_plan_is_chosen_on_the_whole_program():
       _standing(s, exact=True) for s in singles)
 
 
-def test_replay_places_experts_before_anything_splits_the_batch():
-  # Earlier tactics win where two meet: experts placed first move the tokens to them (GShard);
-  # placed after BatchParallel over their axis, they would have their weights gathered.
+def test_replay_places_experts_after_the_batch_as_gshard_does():
+  # The batch's layouts first, then the experts, then the rest (GShard's order); the
+  # partitioner moves the experts before what split the batch over their own axis, so the
+  # tokens move to them rather than their weights being gathered.
   env = PartitioningEnv(Task("moe:mini", "batch=2,model=4"))
   env.reset()
   ctx = env.context
   legal = [a for a in env.legal_actions() if a != env.finish_action]
   experts = [a for a in legal if ctx.actions[a].kind == "ExpertParallel"]
   assert len(experts) == 2
-  assert max(_rank(ctx, a) for a in experts) < min(
-      _rank(ctx, a) for a in legal if ctx.actions[a].kind != "ExpertParallel")
+  batch = [a for a in legal if ctx.actions[a].kind == "BatchParallel" or (
+      ctx.actions[a].kind == "tile" and ctx.points[ctx.actions[a].point].role == "data")]
+  others = [a for a in legal if a not in experts and a not in batch]
+  assert max(_rank(ctx, a) for a in batch) < min(_rank(ctx, a) for a in experts)
+  assert max(_rank(ctx, a) for a in experts) < min(_rank(ctx, a) for a in others)
 
 
 def _play(env, actions):

@@ -112,7 +112,7 @@ def test_gshard_moves_tokens_to_the_experts_whichever_is_written_first(family, p
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
 
 
-def test_expert_parallel_acts_before_a_tile_of_the_data_over_its_axis_too(programs):
+def test_expert_parallel_acts_before_a_tile_of_the_data_or_zero_over_its_axis_too(programs):
   from partitioner.roles import roles
   _, program = programs("moe")
   data = program.name(roles(program).data[0])
@@ -120,6 +120,9 @@ def test_expert_parallel_acts_before_a_tile_of_the_data_over_its_axis_too(progra
                "ExpertParallel(model)")
   assert [str(t) for t in pp.schedule] == [
       "ExpertParallel(model)", f"Tile({data}, 0, model)", f"Tile({data}, 0, batch)"]
+  # ZeRO splits the batch over its axis where nothing did: the experts act before it too.
+  pp = P.apply(program, MESH, "ZeRO(model, stage=1); ExpertParallel(model)")
+  assert [str(t) for t in pp.schedule] == ["ExpertParallel(model)", "ZeRO(model, stage=1)"]
 
 
 def test_expert_parallel_written_late_replays_what_an_auto_before_it_chose(programs):
