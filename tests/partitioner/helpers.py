@@ -27,6 +27,17 @@ def assert_partitioned_equal(fn, args, mesh, schedule, rtol=1e-5, atol=1e-5):
   return pp
 
 
+def momentum_step(loss_fn):
+  """A training step of `loss_fn(params, batch)` with SGD and momentum: (params, momentum,
+  batch) -> (params, momentum, loss), the state updated in place as a user writes it."""
+  def step(params, momentum, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
+    params = jax.tree_util.tree_map(lambda p, m: p - 0.01 * m, params, momentum)
+    return params, momentum, loss
+  return step
+
+
 def kinds(pp):
   """Collective kinds and axes the plan decided, as a sorted list of (kind, axes)."""
   return sorted((c.kind, c.axes) for c in pp.collectives)

@@ -17,6 +17,7 @@ from partitioner.heads import pad_heads
 from partitioner.layouts import Interleaved, Padded
 from partitioner.roles import megatron_pairs
 from partitioner.verify import verify
+from tests.partitioner.helpers import momentum_step
 
 B, T, W = 8, 8, 8   # batch, sequence, head width
 MESH = "batch=2,model=4"
@@ -42,19 +43,13 @@ def _step(heads: int, fused: bool = False, kv_heads: int | None = None):
     h = h + jax.nn.relu(h @ p["w1"]) @ p["w2"]
     return jnp.mean(h ** 2)
 
-  def step(params, momentum, x):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x)
-    momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
-    params = jax.tree_util.tree_map(lambda p, m: p - 0.01 * m, params, momentum)
-    return params, momentum, loss
-
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   params = {"o": f32(d, d), "w1": f32(d, 4 * d), "w2": f32(4 * d, d)}
   if fused:
     params.update(qkv=f32(d, 3 * d), b=f32(3 * d))
   else:
     params.update(q=f32(d, d), b=f32(d), k=f32(d, kv * W), v=f32(d, kv * W))
-  return step, (params, params, f32(B, T, d))
+  return momentum_step(loss_fn), (params, params, f32(B, T, d))
 
 
 def _counts(pp):

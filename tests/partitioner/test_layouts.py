@@ -11,6 +11,7 @@ import partitioner as P
 from partitioner.cost import simulate
 from partitioner.layouts import Interleaved, Padded
 from partitioner.verify import example_inputs, verify
+from tests.partitioner.helpers import momentum_step
 
 B, T, D, H, V = 8, 8, 32, 4, 1090   # 1,090 rows: padded to 1,152, which 2, 4 and 8 divide
 
@@ -37,12 +38,7 @@ def _step(cumsum=False, scan=False, untied=False):
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
 
-  def step(params, momentum, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    momentum = jax.tree_util.tree_map(lambda m, g: 0.9 * m + g, momentum, grads)
-    params = jax.tree_util.tree_map(lambda p, m: p - 0.01 * m, params, momentum)
-    return params, momentum, loss
-
+  step = momentum_step(loss_fn)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   lead = (2,) if scan else ()
   params = {"emb": f32(V, D), "layers": {"qkv": f32(*lead, D, 3 * D), "b": f32(*lead, 3 * D),
