@@ -26,7 +26,8 @@ Tactics (separated by ';'):
   ZeRO(AXIS, stage=1|2|3)        shard optimizer state / gradients / parameters over AXIS
   EmbeddingSharding(AXIS)        split embedding tables along the vocabulary
   Tile(PATTERN, DIM, AXIS)       tile matching inputs (globs: params/**/w_in/w)
-  ExpertParallel(AXIS)           split expert weights along the expert dimension
+  ExpertParallel(AXIS)           split expert weights along the expert dimension (acts
+                                 before what splits the batch over AXIS: tokens move)
   SequenceParallel(AXIS[, DIM])  split the batch inputs along the sequence dimension
   Replicate(PATTERN[, AXES])     keep matching inputs replicated
   Auto(AXES[, agent=greedy|beam|mcts|random|ilp, budget=N, policy=RUN_DIR, hardware=HW,
@@ -39,6 +40,9 @@ Tactics (separated by ';'):
                                  per device; M micro-batches, 4 a stage by default;
                                  interleaved: V chunks of layers a stage; first in the
                                  schedule)
+  HeadPadding(AXIS)              pad attention heads that AXIS does not divide (12 over
+                                 8) with zero heads, so Megatron splits them (first in the
+                                 schedule; before Microbatch)
   StageScatter(AXIS)             split a pipeline's hand-overs and kept activations over
                                  AXIS (Megatron-LM's scatter/gather; after Megatron)
 """
@@ -54,6 +58,8 @@ examples:
       --tactics "Microbatch(4); BatchParallel(batch); Megatron(model)"
   shardzero partition gpt:small,scan=true --mesh pipe=2,batch=2,model=2 \\
       --tactics "Pipeline(pipe, microbatches=4); BatchParallel(batch); Megatron(model)" --verify
+  shardzero partition "hf_bert:small,heads=6,d_model=96" --mesh batch=2,model=4 \\
+      --tactics "HeadPadding(model); BatchParallel(batch); Megatron(model)" --verify
 """
 
 

@@ -96,6 +96,12 @@ def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
   assert err.startswith("shardzero partition: error: ")
 
 
+def test_partition_help_lists_every_tactic():
+  from launch.partition_command import DESCRIPTION
+  from partitioner.tactics import TACTICS
+  assert [name for name in TACTICS if f"  {name}(" not in DESCRIPTION] == []
+
+
 @pytest.mark.slow
 def test_console_script_help_and_exit_code():
   env = dict(os.environ)
