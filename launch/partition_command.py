@@ -202,8 +202,8 @@ def layout_lines(program) -> list[str]:
   groups: dict = {}
   for k, lay in program.layouts.items():
     groups.setdefault(str(lay), []).append(program.input_names[k])
-  return ([f"held in another layout, so that they split (inputs converted once as they are "
-           f"placed, `Program.store_inputs`; outputs converted back):"] +
+  return (["held in another layout, so that they split (inputs converted once as they are "
+           "placed, `Program.store_inputs`; outputs converted back):"] +
           [f"  {text}: {names[0]}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
            for text, names in groups.items()]) if groups else []
 
