@@ -57,8 +57,9 @@ def test_a_role_blocked_in_a_native_call_still_ends_after_sigterm():
       time.sleep(60)
   """)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  # A session of its own: no signal sent to the test runner's process group reaches it.
   child = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
-                           env={**os.environ, "PYTHONPATH": root})
+                           env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
   try:
     assert child.stdout.readline().strip() == b"ready"
     child.send_signal(signal.SIGTERM)
