@@ -21,7 +21,7 @@ from partitioner.errors import ScheduleError
 from partitioner.ir import Program, per_program
 from partitioner.layouts import (_PADS, _PERMUTES, Interleaved, Padded, _factor_of, _grow,
                                  _held, _rewrite, _usable)
-from partitioner.rules.elementwise import NARY, UNARY
+from partitioner.roles import _ELEMENTWISE
 
 
 @per_program
@@ -157,9 +157,6 @@ def _pads(heads: int | None, m: int) -> bool:
   """Whether `heads` heads are padded to split `m` ways: not where they divide, nor one head
   (multi-query keys and values), which Megatron-LM replicates."""
   return heads is not None and heads > 1 and heads % m != 0
-
-
-_ELEMENTWISE = frozenset(UNARY) | frozenset(NARY)
 
 
 def _to_heads(program: Program, table, forward, vid: int, d: int):

@@ -40,6 +40,15 @@ def _acts_before(tactic: Tactic, done: Sequence[Tactic], program: Program) -> in
   return None
 
 
+def _as_decided(tactic: Tactic, report: TacticReport) -> str:
+  """A tactic as the schedule text that replays it: an `Auto` as what it chose ("" for
+  nothing), any other as itself."""
+  chose = [n[len("chose: "):] for n in report.notes if n.startswith("chose: ")]
+  if not chose:
+    return str(tactic)
+  return "" if chose[0] == "nothing" else chose[0]
+
+
 def as_mesh(mesh: Mesh | str | Mapping[str, int]) -> Mesh:
   if isinstance(mesh, Mesh):
     return mesh
@@ -111,11 +120,8 @@ class PartitionedProgram:
     """The tactics `done` (with their `reports`) applied again to this program's rewritten
     program with `tactic` at position `k` (where it acts, `_acts_before`), then `rest`; an
     `Auto` already applied replays what it chose."""
-    order = []
-    for t, report in zip(done, reports):
-      chose = [n[len("chose: "):] for n in report.notes if n.startswith("chose: ")]
-      order.append(parse_schedule(chose[0]) if chose and chose[0] != "nothing" else
-                   [] if chose else [t])
+    order = [[t] if (d := _as_decided(t, r)) == str(t) else parse_schedule(d)
+             for t, r in zip(done, reports)]
     order = order[:k] + [[tactic]] + order[k:]
     rewrites = [t for t in done if isinstance(t, ProgramRewrite)]
     state = ShardingState(self.program, self.mesh)
@@ -161,14 +167,8 @@ class PartitionedProgram:
   def decided(self) -> str:
     """The schedule with each `Auto` written as the tactics it chose: the same plan, which
     replays without a solver."""
-    out = []
-    for tactic, report in zip(self.schedule, self.reports):
-      chose = [n[len("chose: "):] for n in report.notes if n.startswith("chose: ")]
-      if not chose:
-        out.append(str(tactic))
-      elif chose[0] != "nothing":
-        out.append(chose[0])
-    return "; ".join(out)
+    return "; ".join(filter(None, (_as_decided(t, r)
+                                   for t, r in zip(self.schedule, self.reports))))
 
   def sharding(self, name: str) -> Sharding:
     return self.state.sharding(self.program.value(name).id)
