@@ -41,23 +41,26 @@ def test_collector_paused_disables_collection_inside_and_restores_it():
 def test_a_role_blocked_in_a_native_call_still_ends_after_sigterm():
   """SIGTERM never reaches Python in a thread blocked in native code (an actor in a Reverb
   insert held by the rate limiter); the roles' watchdog ends the process anyway. Here the
-  main thread keeps SIGTERM blocked, so the handler it would run never does."""
+  main thread keeps SIGTERM blocked and waits in `system()` for a shell that says "ready":
+  it is inside the native call before the signal is sent. (Announcing from Python before a
+  `time.sleep` raced: on a loaded machine the main thread could still be between the two,
+  run the handler and die of the KeyboardInterrupt, -2, as CI saw.)"""
   import os
   import signal
   import subprocess
   import sys
   import textwrap
   code = textwrap.dedent("""
-      import signal, time
+      import os, signal
       import launch.training as training
       training.SIGTERM_GRACE_S = 0.2
       training.stop_on_sigterm(watchdog=True)
       signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
-      print("ready", flush=True)
-      time.sleep(60)
+      os.system("echo ready; exec sleep 60")
   """)
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  # A session of its own: no signal sent to the test runner's process group reaches it.
+  # A session of its own: no signal sent to the test runner's process group reaches it, and
+  # the shell it waits for is killed with it.
   child = subprocess.Popen([sys.executable, "-c", code], cwd=root, stdout=subprocess.PIPE,
                            env={**os.environ, "PYTHONPATH": root}, start_new_session=True)
   try:
@@ -65,5 +68,9 @@ def test_a_role_blocked_in_a_native_call_still_ends_after_sigterm():
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == 128 + signal.SIGTERM
   finally:
-    child.kill()
+    try:
+      os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
     child.wait()
+    child.stdout.close()
