@@ -300,7 +300,8 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
   plan again after `HeadPadding` over that axis, which Megatron then splits by heads: the
   expert's Megatron hand schedules (`agents.guard.with_heads_padded`, as `propose` tries
   them), a search agent deciding every axis of the padded program itself (`Auto`, as for a
-  pipeline: `pipeline_decider`). The fastest that fits and beats the plan `env` ended in and
+  pipeline: `pipeline_decider`; where that is over the budget, its decisions again with the
+  fewest micro-batches that fit, as the guard cuts a padded plan). The fastest that fits and beats the plan `env` ended in and
   `staged` (a pipelined plan), as the row's schedule and cost; None where none does."""
   from agents.guard import with_heads_padded
   from environments.tasks import load_program
@@ -328,6 +329,8 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
     best = with_heads_padded(program, ctx, hand, beat)
     best = None if best is None else (best.pp, best.cost)
   else:
+    from agents.guard import _cut_to_fit
+    from partitioner.tactics import Microbatch, parse_schedule
     decide, _ = pipeline_decider(spec, ctx, seconds)
     best = None
     for axis in axes:
@@ -337,8 +340,15 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
       except ShardzeroError:
         continue
       c = simulate(pp, ctx.task.hardware)
-      if c.peak_memory_bytes <= ctx.budget and c.step_time_s < beat and (
-          best is None or c.step_time_s < best[1].step_time_s):
+      if c.peak_memory_bytes > ctx.budget:   # its decisions again, with the fewest cuts that fit
+        tactics = [t for t in parse_schedule(pp.decided)
+                   if not isinstance(t, (HeadPadding, Microbatch))]
+        cut = _cut_to_fit(program, ctx, [HeadPadding(axis)], tactics, c.peak_memory_bytes,
+                          c.memory.argument_bytes, 64)
+        if cut is None:
+          continue
+        _, pp, c = cut
+      if c.step_time_s < beat and (best is None or c.step_time_s < best[1].step_time_s):
         best = (pp, c)
   if best is None:
     return None

@@ -157,3 +157,23 @@ def test_a_padded_plan_over_the_budget_is_cut_into_micro_batches():
   found = with_heads_padded(program, env.context, [("dp+megatron", megatron)], float("inf"))
   assert found.k >= 2 and found.cost.peak_memory_bytes <= budget
   assert [str(t) for t in found.pp.schedule][:2] == ["HeadPadding(model)", f"Microbatch({found.k})"]
+
+
+def test_a_search_agents_padded_plan_over_the_budget_is_cut_into_micro_batches():
+  """Greedy deciding the padded gpt:mini at a budget a fifth of the way from its inputs to
+  dp+Megatron's peak ends over it (ZeRO over both axes, 1.40 GB of 1.14); its decisions again
+  with the batch cut in two fit, and that is the row's plan."""
+  from environments.tasks import load_program
+  from launch.evaluation import AgentSpec, heads_padded_plan
+  from partitioner import apply
+  from partitioner.cost import simulate
+  model, mesh = "gpt:mini,heads=6,d_model=768", "batch=2,model=4"
+  whole = simulate(apply(load_program(model), mesh,
+                         "HeadPadding(model); BatchParallel(batch); Megatron(model)"), "h100")
+  budget = int(whole.memory.argument_bytes + 0.2 * (whole.peak_memory_bytes -
+                                                    whole.memory.argument_bytes))
+  env = PartitioningEnv(Task(model, mesh, "h100", budget), config=EnvConfig(max_steps=8))
+  env.reset()
+  row = heads_padded_plan(AgentSpec("greedy"), env)
+  assert row["fits"] and row["peak_memory_bytes"] <= budget
+  assert row["schedule"].startswith("HeadPadding(model); Microbatch(")
