@@ -135,8 +135,11 @@ class PartitionedProgram:
     note = f"acts before {done[k]}, so that the tokens move to their experts (written after it)"
     out.reports = out.reports[:moved] + (report._replace(notes=report.notes + (note,)),) + \
         out.reports[moved + 1:]
-    out.state.changed = set(range(len(self.program.values)))   # a new lineage: any may differ
-    return out.apply(rest, solver)
+    out = out.apply(rest, solver)
+    # A new lineage: any value may differ from this state's (`apply` copies the state, which
+    # starts a fresh `changed`, so this is set last: the environment's masks read it).
+    out.state.changed = set(range(len(self.program.values)))
+    return out
 
   # --------------------------------------------------------------------------- results
   @functools.cached_property

@@ -464,9 +464,12 @@ def _tile_exactly(ctx, tactic, axis, targets, what) -> None:
   m = ctx.mesh.size(axis)
   for vid, dim in targets:
     size = ctx.program.values[vid].shape[dim]
-    if size % (m * _count(ctx.state, vid, dim)):
-      raise ScheduleError(f"{tactic}: {ctx.program.name(vid)} has {what(size)}, not divisible "
-                          f"by {axis}={m}")
+    split = _count(ctx.state, vid, dim)
+    if size % (m * split):
+      already = (f", split {split} ways over {'+'.join(ctx.state.dims[vid][dim])} already"
+                 if split > 1 else "")
+      raise ScheduleError(f"{tactic}: {ctx.program.name(vid)} has {what(size)}{already}, not "
+                          f"divisible by {'a further ' if split > 1 else ''}{axis}={m}")
   for vid, dim in targets:
     ctx.tile(vid, dim, axis)
   ctx.propagate()

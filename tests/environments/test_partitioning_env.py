@@ -188,6 +188,25 @@ def test_masks_and_keys_updated_from_the_previous_state_equal_those_made_afresh(
   assert checked >= 8
 
 
+def test_a_state_replayed_for_expert_parallelism_has_its_mask_made_afresh():
+  """`ExpertParallel(model)` after `BatchParallel(model)` replays the plan with the experts
+  placed first (a new lineage). The mask must see that the experts are split over `model`
+  now: with 4 experts, `ExpertParallel(batch)` no longer divides (session 59: a stale mask
+  offered it, MCTS played it, and the replay raised inside an evaluation)."""
+  env = PartitioningEnv(Task("moe:small,experts=4", "batch=2,model=4"))
+  env.reset()
+  ctx = env.context
+  ep_batch = env.action_index("ExpertParallel(batch)")
+  assert ep_batch in env.legal_actions()
+  for name in ("BatchParallel(batch)", "BatchParallel(model)", "ExpertParallel(model)"):
+    env.step(env.action_index(name))
+  assert [str(t) for t in env.partitioned.schedule] == [
+      "BatchParallel(batch)", "ExpertParallel(model)", "BatchParallel(model)"]
+  np.testing.assert_array_equal(env._info.mask, ctx._make(env.partitioned, None).mask)
+  assert ep_batch not in env.legal_actions()
+  assert "split 4 ways over model already" in ctx.problem(env._info, ep_batch)
+
+
 def test_keys_are_equal_exactly_for_equal_states():
   """Search merges states by key, so two different states must never share one: ResNet's
   parameters of one shape, tiled alike, differ only in which value carries the tile."""
