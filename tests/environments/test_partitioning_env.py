@@ -261,7 +261,7 @@ def test_actions_name_the_values_they_tile_and_globals_what_is_sharded():
   """A manual tactic's row points at its footprint (Megatron: weights, BatchParallel: the batch,
   ZeRO: optimizer state and batch) with its bytes by role; the globals give per role and axis the share of
   bytes sharded, which moves from 0 to 1 for the data when the batch is split."""
-  from environments.actions import ROLES, TACTIC_KINDS
+  from environments.actions import ROLES
   from environments.observations import (MAX_AXES, MESH_FEATURES, PROGRAM_FEATURES, TOUCHED,
                                          ActionColumns)
   env = PartitioningEnv(Task("gpt:mini", "batch=4,model=2"))
