@@ -497,6 +497,59 @@ class ResultsStore:
     return [by_key[k] for k in keys if k in by_key]
 
 
+REPLAYS = 3   # a task's fastest plans of earlier cost models priced again, at most
+
+
+def earlier_plans(store: "ResultsStore", task_key: str) -> list[dict]:
+  """The stored plans of `task_key` that an earlier cost model priced faster than the best
+  known under the current one and that fit under it (the fastest `REPLAYS` schedules), not yet
+  priced again. The best known counts only rows of the current model, so without these a cost
+  model's bump drops the ILP's and MCTS's best plans until those agents run again, and every
+  other agent's ratio looks better than it is."""
+  best = store.best_known().get(task_key, float("inf"))
+  replayed = {r["schedule"] for r in store.rows
+              if r["task"] == task_key and r["agent"].startswith("replay:") and "error" not in r
+              and costed_now(r["version"])}
+  plans, seen = [], set()
+  for r in sorted((r for r in store.rows if r["task"] == task_key and "error" not in r
+                   and not costed_now(r["version"]) and r.get("fits") and r.get("schedule")
+                   and r["step_time_s"] < best), key=lambda r: r["step_time_s"]):
+    if r["schedule"] not in seen and r["schedule"] not in replayed:
+      seen.add(r["schedule"])
+      plans.append(r)
+  return plans[:REPLAYS]
+
+
+def replay_plans(task, plans: list[dict]) -> list[dict]:
+  """`plans` (stored rows of `task`) priced again under the current cost model, as rows of the
+  pseudo-agent `replay:<agent>` (never in a table, only in the best known); a schedule that no
+  longer applies is left out."""
+  from environments.tasks import load_program
+  from partitioner.cost import load_hardware, simulate
+  from partitioner.mesh import Mesh
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import parse_schedule
+  resolved = task.resolve()
+  mesh = Mesh.parse(task.mesh)
+  budget = resolved.memory_budget or load_hardware(task.hardware).hbm_bytes
+  program = load_program(task.model)
+  rows = []
+  for r in plans:
+    try:
+      pp = PartitionedProgram(program, mesh).apply(parse_schedule(r["schedule"]))
+      cost = simulate(pp, task.hardware)
+    except ShardzeroError:
+      continue
+    rows.append({k: r[k] for k in ("task", "model", "mesh", "hardware", "budget", "devices",
+                                   "max_steps", "seed") if k in r} | {
+        "agent": f"replay:{r['agent']}",
+        "version": f"replay-v1-c{_cost_model_version()}", "replayed": r["version"],
+        "schedule": r["schedule"], "step_time_s": cost.step_time_s,
+        "peak_memory_bytes": cost.peak_memory_bytes, "budget_bytes": budget,
+        "fits": cost.peak_memory_bytes <= budget, "decide_s": 0.0})
+  return rows
+
+
 def with_ratios(rows: list[dict], best: dict[str, float],
                 feasible: set[str] | None = None) -> list[dict]:
   """Each row with its ratio to the best known, whether that is within 10% and fits, and

@@ -247,3 +247,41 @@ def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   env = PartitioningEnv(EvalTask("mlp:small", "stage=2,batch=4", "h100", "device").resolve())
   env.reset()
   assert pipelined_plan(parse_agent("ilp:4"), env, 4) is None
+
+
+def test_plans_of_an_earlier_cost_model_are_priced_again_into_the_best_known(capsys, tmp_path):
+  """The best known counts only rows of the current cost model; a plan an earlier model found
+  best is priced again under this one (a `replay:` row, in no table), so that a cost model's
+  bump does not drop it and flatter every other agent. Once per plan; a schedule that no
+  longer applies is left out."""
+  from launch.evaluation import ResultsStore
+  from partitioner import apply
+  from partitioner.cost import simulate
+  from environments.tasks import load_program
+  store = tmp_path / "r.jsonl"
+  argv = ("--models", "mlp:small", "--meshes", "batch=4,model=2", "--agents", "expert",
+          "--store", str(store))
+  code, data, _ = _evaluate(capsys, *argv)
+  assert code == 0
+  expert = data["results"][0]
+  plan = "BatchParallel(batch); Megatron(model)"
+  old = [{**expert, "agent": "ilp:60", "version": "ilp-v9-c1", "schedule": plan,
+          "step_time_s": 1e-9},
+         {**expert, "agent": "mcts:100", "version": "mcts-v3-c1", "step_time_s": 2e-9,
+          "schedule": "Tile(params/nothing/*, 0, model)"}]   # matches nothing now
+  with open(store, "a") as f:
+    for row in old:
+      f.write(json.dumps({k: v for k, v in row.items()
+                          if k not in ("ratio", "within", "best_known_s", "feasible")}) + "\n")
+  code, data, err = run(capsys, "evaluate", *argv)
+  assert code == 0 and "1 plan(s) of earlier cost models priced again" in err
+  replays = [r for r in ResultsStore(str(store)).rows if r["agent"].startswith("replay:")]
+  assert [(r["agent"], r["schedule"], r["replayed"]) for r in replays] == [
+      ("replay:ilp:60", plan, "ilp-v9-c1")]
+  priced = simulate(apply(load_program("mlp:small"), "batch=4,model=2", plan), "h100")
+  assert replays[0]["step_time_s"] == pytest.approx(priced.step_time_s)
+  best = ResultsStore(str(store)).best_known()[expert["task"]]
+  assert best == pytest.approx(min(expert["step_time_s"], priced.step_time_s))
+  code, _, err = run(capsys, "evaluate", *argv)   # priced once
+  assert code == 0 and "priced again" not in err
+  assert len([r for r in ResultsStore(str(store)).rows if r["agent"].startswith("replay:")]) == 1
