@@ -301,8 +301,9 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
   expert's Megatron hand schedules (`agents.guard.with_heads_padded`, as `propose` tries
   them), a search agent deciding every axis of the padded program itself (`Auto`, as for a
   pipeline: `pipeline_decider`; where that is over the budget, its decisions again with the
-  fewest micro-batches that fit, as the guard cuts a padded plan). The fastest that fits and beats the plan `env` ended in and
-  `staged` (a pipelined plan), as the row's schedule and cost; None where none does."""
+  fewest micro-batches that fit, as the guard cuts a padded plan). The fastest that fits and
+  beats the plan `env` ended in and `staged` (a pipelined plan), as the row's schedule and
+  cost; None where none does."""
   from agents.guard import with_heads_padded
   from environments.tasks import load_program
   from launch.auto import solve
