@@ -171,7 +171,7 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   best = None
   for name, schedule, _, _, peak, arguments in candidates[:plans]:
     tactics = [t for t in parse_schedule(schedule) if not isinstance(t, Microbatch)]
-    cut = _cut_to_fit(program, ctx, (), tactics, peak, arguments, largest)
+    cut = cut_to_fit(program, ctx, (), tactics, peak, arguments, largest)
     if cut is not None and cut[2].step_time_s < faster_than and (
         best is None or cut[2].step_time_s < best.cost.step_time_s):
       best = Microbatched(cut[0], name, cut[1], cut[2])
@@ -196,7 +196,7 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   return padded or best
 
 
-def _cut_to_fit(program, ctx, rewrites, tactics, peak: float, arguments: float,
+def cut_to_fit(program, ctx, rewrites, tactics, peak: float, arguments: float,
                 largest: int):
   """(k, partitioned program, cost) of `rewrites` then `Microbatch(k)` then `tactics` on
   `program`, with the fewest micro-batches (2, 4, 8... up to `largest`) that fit the budget,
@@ -242,7 +242,7 @@ def with_heads_padded(program, ctx, plans, faster_than: float,
         continue
       cost, k = simulate(pp, ctx.task.hardware), 1
       if cost.peak_memory_bytes > ctx.budget:
-        cut = _cut_to_fit(program, ctx, [HeadPadding(axis)], tactics, cost.peak_memory_bytes,
+        cut = cut_to_fit(program, ctx, [HeadPadding(axis)], tactics, cost.peak_memory_bytes,
                           cost.memory.argument_bytes, largest)
         if cut is None:
           continue

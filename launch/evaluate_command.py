@@ -164,9 +164,9 @@ def run(args) -> int:
       units.append(ev.Unit(task, missing, args.max_steps, args.seed))
   quiet = args.json == "-"
   _run_units(units, store, args.jobs, quiet, args.launcher, args.address)
-  replayed = 0
+  replayed, best = 0, store.best_known()
   for task in tasks:   # plans an earlier cost model found best, priced under this one
-    plans = ev.earlier_plans(store, task.key)
+    plans = ev.earlier_plans(store, task.key, best.get(task.key, float("inf")))
     if plans:
       rows = ev.replay_plans(task, plans)
       store.add(rows)

@@ -330,7 +330,7 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
     best = with_heads_padded(program, ctx, hand, beat)
     best = None if best is None else (best.pp, best.cost)
   else:
-    from agents.guard import _cut_to_fit
+    from agents.guard import cut_to_fit
     from partitioner.tactics import Microbatch, parse_schedule
     decide, _ = pipeline_decider(spec, ctx, seconds)
     best = None
@@ -344,7 +344,7 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
       if c.peak_memory_bytes > ctx.budget:   # its decisions again, with the fewest cuts that fit
         tactics = [t for t in parse_schedule(pp.decided)
                    if not isinstance(t, (HeadPadding, Microbatch))]
-        cut = _cut_to_fit(program, ctx, [HeadPadding(axis)], tactics, c.peak_memory_bytes,
+        cut = cut_to_fit(program, ctx, [HeadPadding(axis)], tactics, c.peak_memory_bytes,
                           c.memory.argument_bytes, 64)
         if cut is None:
           continue
@@ -501,13 +501,12 @@ class ResultsStore:
 REPLAYS = 3   # a task's fastest plans of earlier cost models priced again, at most
 
 
-def earlier_plans(store: "ResultsStore", task_key: str) -> list[dict]:
-  """The stored plans of `task_key` that an earlier cost model priced faster than the best
-  known under the current one and that fit under it (the fastest `REPLAYS` schedules), not yet
-  priced again. The best known counts only rows of the current model, so without these a cost
-  model's bump drops the ILP's and MCTS's best plans until those agents run again, and every
-  other agent's ratio looks better than it is."""
-  best = store.best_known().get(task_key, float("inf"))
+def earlier_plans(store: "ResultsStore", task_key: str, best: float) -> list[dict]:
+  """The stored plans of `task_key` that an earlier cost model priced faster than `best` (the
+  best known under the current one) and that fit under it (the fastest `REPLAYS` schedules),
+  not yet priced again. The best known counts only rows of the current model, so without these
+  a cost model's bump drops the ILP's and MCTS's best plans until those agents run again, and
+  every other agent's ratio looks better than it is."""
   replayed = {r["schedule"] for r in store.rows
               if r["task"] == task_key and r["agent"].startswith("replay:") and "error" not in r
               and costed_now(r["version"])}
@@ -527,18 +526,13 @@ def replay_plans(task, plans: list[dict]) -> list[dict]:
   longer applies is left out."""
   from environments.tasks import load_program
   from partitioner.cost import load_hardware, simulate
-  from partitioner.mesh import Mesh
-  from partitioner.partition import PartitionedProgram
-  from partitioner.tactics import parse_schedule
-  resolved = task.resolve()
-  mesh = Mesh.parse(task.mesh)
-  budget = resolved.memory_budget or load_hardware(task.hardware).hbm_bytes
+  from partitioner.partition import apply
+  budget = task.resolve().memory_budget or load_hardware(task.hardware).hbm_bytes
   program = load_program(task.model)
   rows = []
   for r in plans:
     try:
-      pp = PartitionedProgram(program, mesh).apply(parse_schedule(r["schedule"]))
-      cost = simulate(pp, task.hardware)
+      cost = simulate(apply(program, task.mesh, r["schedule"]), task.hardware)
     except ShardzeroError:
       continue
     rows.append({k: r[k] for k in ("task", "model", "mesh", "hardware", "budget", "devices",
