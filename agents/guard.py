@@ -10,8 +10,9 @@ schedules from the same start, and play the best by the one rule (`corpus.expert
 what fits before what does not, then the fastest. The policy wins ties.
 
 `fit_with_microbatches` then cuts the batch of the fastest plans that do not fit into
-micro-batches (`partitioner.Microbatch`), which shrinks activations and leaves the rest of a
-plan as it is: where nothing fits, or where a plan faster than the answer fits so (the
+micro-batches (`partitioner.Microbatch`), or recomputes their activations in the backward pass
+(`partitioner.Remat`, then cut where that alone does not fit), which shrinks activations and
+leaves the rest of a plan as it is: where nothing fits, or where a plan faster than the answer fits so (the
 environment's own cuts end an episode: the policy's line may end cut already, and the hand
 schedules are cut here, at more counts than the environment offers). It also costs the
 pipelined hand schedules, which stream micro-batches through stages, and the plans that split
@@ -135,8 +136,9 @@ def _next_count(peak: float, k: int, peak_k: float, budget: float) -> int | None
 
 class Microbatched(NamedTuple):
   """A plan that fits once its batch is cut into `k` micro-batches (or streamed through
-  pipeline stages in them: `pp.program.stages > 1`), or with its attention heads padded to
-  split (`HeadPadding` first in `pp.schedule`; `k` = 1 where it is not cut as well)."""
+  pipeline stages in them: `pp.program.stages > 1`), its activations recomputed (`Remat`), or
+  its attention heads padded to split (`HeadPadding`); those rewrites come first in
+  `pp.schedule`, and `k` = 1 where the batch is not cut as well."""
   k: int
   base: str          # the plan it cuts: "policy" or a hand schedule's name
   pp: object         # the partitioned (rewritten) task program
@@ -150,13 +152,14 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   played, where it fits; any time where nothing fits) — the policy's and the hand schedules,
   the `plans` fastest — again with the batch cut into 2, 4, 8... micro-batches, up to
   `largest`, each with the fewest that fit (counts that cannot fit are not traced:
-  `_first_count`, `_next_count`); then pipelines (`agents.pipelines`: the pipelining hand
+  `_first_count`, `_next_count`), and with their activations recomputed
+  (`recomputed_to_fit`); then pipelines (`agents.pipelines`: the pipelining hand
   schedules, and `decide`, the policy as an `Auto` over the other axes with `solver`,
   deciding at the most of `per_stage` micro-batches a stage and replayed at the others); then
   every plan again with its attention heads padded where they do not divide its Megatron axis
   (`with_heads_padded`): the fastest of those that fit and beat `faster_than`. None where none
   does."""
-  from partitioner.tactics import Microbatch, parse_schedule
+  from partitioner.tactics import Microbatch, Remat, parse_schedule
   from environments.tasks import load_program
   candidates = [("policy", guarded.policy_schedule, guarded.policy_step_s,
                  guarded.policy_fits, guarded.policy_peak_bytes,
@@ -170,11 +173,12 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   program = load_program(ctx.task.model)
   best = None
   for name, schedule, _, _, peak, arguments in candidates[:plans]:
-    tactics = [t for t in parse_schedule(schedule) if not isinstance(t, Microbatch)]
-    cut = cut_to_fit(program, ctx, (), tactics, peak, arguments, largest)
-    if cut is not None and cut[2].step_time_s < faster_than and (
-        best is None or cut[2].step_time_s < best.cost.step_time_s):
-      best = Microbatched(cut[0], name, cut[1], cut[2])
+    tactics = [t for t in parse_schedule(schedule) if not isinstance(t, (Microbatch, Remat))]
+    for cut in (cut_to_fit(program, ctx, (), tactics, peak, arguments, largest),
+                recomputed_to_fit(program, ctx, tactics, largest)):
+      if cut is not None and cut[2].step_time_s < faster_than and (
+          best is None or cut[2].step_time_s < best.cost.step_time_s):
+        best = Microbatched(cut[0], name, cut[1], cut[2])
   # Hand schedules that rewrite the program first (pipelines, `pp+dp` and `ptd-p`) are not
   # actions of the environment, which is built on the program as traced; they are costed here,
   # on the task's program, at a few micro-batch counts, with the policy's own pipelined plan.
@@ -216,6 +220,25 @@ def cut_to_fit(program, ctx, rewrites, tactics, peak: float, arguments: float,
       return k, pp, cost
     k = _next_count(peak, k, cost.peak_memory_bytes, ctx.budget)
   return None
+
+
+def recomputed_to_fit(program, ctx, tactics, largest: int):
+  """(k, partitioned program, cost) of `Remat()` then `tactics` on `program`, where the
+  recomputed activations fit the budget (k = 1), or else with the fewest micro-batches that
+  fit (`cut_to_fit`); None where none does or the step cannot be recomputed (a scanned stack,
+  one written with `jax.checkpoint`)."""
+  from partitioner.cost import simulate
+  from partitioner.partition import PartitionedProgram
+  from partitioner.tactics import Remat
+  try:
+    pp = PartitionedProgram(program, ctx.mesh).apply([Remat(), *tactics])
+  except ShardzeroError:
+    return None
+  cost = simulate(pp, ctx.task.hardware)
+  if cost.peak_memory_bytes <= ctx.budget:
+    return 1, pp, cost
+  return cut_to_fit(program, ctx, [Remat()], tactics, cost.peak_memory_bytes,
+                    cost.memory.argument_bytes, largest)
 
 
 def with_heads_padded(program, ctx, plans, faster_than: float,

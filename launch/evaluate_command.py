@@ -43,6 +43,8 @@ interleaved (but the guarded policies'), and keeps the better. Where a plan is o
 budget, the expert, the ILP and the policies end it cut into micro-batches (Microbatch(k))
 where a cut fits or comes closer. Where attention heads do not divide an axis Megatron splits
 over, the expert and the guarded policies also try their Megatron plans after HeadPadding.
+The guarded policies also try the fastest plans over the budget with their activations
+recomputed (Remat(), then cut into micro-batches where that alone does not fit).
 
 Tasks come from --suite (bundled: quick, scales, external; or a YAML file: launch/suites.py) or
 --models x --meshes x --hardware x --memory-budget. Prints a table per number of devices and a

@@ -43,6 +43,10 @@ Tactics (separated by ';'):
   HeadPadding(AXIS)              pad attention heads that AXIS does not divide (12 over
                                  8) with zero heads, so Megatron splits them (first in the
                                  schedule; before Microbatch)
+  Remat()                        recompute activations in the backward pass from the
+                                 values at the forward pass's narrowest cuts (the residual
+                                 stream), as jax.checkpoint per layer (first; before
+                                 Microbatch)
   StageScatter(AXIS)             split a pipeline's hand-overs and kept activations over
                                  AXIS (Megatron-LM's scatter/gather; after Megatron)
 """
@@ -60,6 +64,8 @@ examples:
       --tactics "Pipeline(pipe, microbatches=4); BatchParallel(batch); Megatron(model)" --verify
   shardzero partition "hf_bert:small,heads=6,d_model=96" --mesh batch=2,model=4 \\
       --tactics "HeadPadding(model); BatchParallel(batch); Megatron(model)" --verify
+  shardzero partition hf_gpt2:small --mesh batch=2,model=4 \\
+      --tactics "Remat(); BatchParallel(batch); ZeRO(model)" --verify
 """
 
 

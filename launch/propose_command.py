@@ -85,7 +85,7 @@ def run(args) -> int:
   from partitioner.cost import load_hardware
   from partitioner.errors import ShardzeroError
   from partitioner.mesh import Mesh
-  from partitioner.tactics import HeadPadding, ProgramRewrite
+  from partitioner.tactics import HeadPadding, ProgramRewrite, Remat
 
   Mesh.parse(args.mesh)
   load_hardware(args.hardware)
@@ -167,6 +167,9 @@ def run(args) -> int:
     rewrites = [t for t in found.schedule if isinstance(t, ProgramRewrite)]
     padded = [t for t in rewrites if isinstance(t, HeadPadding)]
     parts = [f"its attention heads padded to split ({t})" for t in padded]
+    recomputed = any(isinstance(t, Remat) for t in rewrites)
+    if recomputed:
+      parts.append("its activations recomputed in the backward pass (Remat)")
     if stages > 1:
       parts.append(f"its step streamed through {stages} pipeline stages in {micro.k} "
                    "micro-batches")
@@ -174,7 +177,7 @@ def run(args) -> int:
       parts.append(f"its batch cut into {micro.k} micro-batches")
     how = " and ".join(parts)
     how = "with " + how + (" (costed outside the search environment, which cannot play such "
-                           "a rewrite)" if stages > 1 or padded else "")
+                           "a rewrite)" if stages > 1 or padded or recomputed else "")
     result.update({
         "schedule": found.decided, "tactics": found.decided.split("; "),
         "cost": _cost_dict(cost, ctx.budget), "answer": found.decided, "fits": True,

@@ -8,8 +8,8 @@ from partitioner.mesh import Mesh
 from partitioner.partition import PartitionedProgram, apply
 from partitioner.sharding import Sharding
 from partitioner.tactics import (Auto, BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 Microbatch, Pipeline, Replicate, SequenceParallel, StageScatter,
-                                 Tactic, Tile, ZeRO, parse_schedule)
+                                 Microbatch, Pipeline, Remat, Replicate, SequenceParallel,
+                                 StageScatter, Tactic, Tile, ZeRO, parse_schedule)
 from partitioner.tracing import trace
 
 
@@ -28,7 +28,7 @@ def to_jax_shardings(partitioned, jax_mesh=None):
 __all__ = [
     "Auto", "BatchParallel", "EmbeddingSharding", "ExpertParallel", "Megatron", "Mesh", "MeshError",
     "Microbatch",
-    "Op", "Pipeline", "PartitionedProgram", "PatternError", "Program", "Replicate", "ScheduleError",
+    "Op", "Pipeline", "PartitionedProgram", "PatternError", "Program", "Remat", "Replicate", "ScheduleError",
     "SequenceParallel", "Sharding", "ShardingError", "ShardzeroError", "StageScatter", "Tactic",
     "Tile", "Value",
     "WorkloadError", "ZeRO", "apply", "lower_spmd", "parse_schedule", "to_jax_shardings", "trace",

@@ -169,6 +169,7 @@ class Program:
     self.microbatches = 1              # into how many micro-batches a step's batch is cut
     self.stages = 1                    # into how many pipeline stages its layers are cut
     self.head_multiple = 1             # its attention heads padded to divide by this
+    self.recomputation = None          # where `remat.remat` cut it (`remat.Recomputation`)
     self.stage_values: tuple = ()      # (value, dim) a pipeline's stage axis splits
     self.handed: tuple = ()            # (value, feature dim) of what crosses its stages
     # Input / output position -> how the program holds it, where not as the user does

@@ -92,6 +92,10 @@ def pipeline(program: Program, stages: int, microbatches: int,
   if program.source is None:
     _refuse(what, "the program was not traced from a function (partitioner.trace), so it "
                   "cannot be traced again at a micro-batch's size")
+  from partitioner.remat import rematerialised
+  if rematerialised(program) is not None:
+    _refuse(what, "the step recomputes its activations (Remat), which cannot reach into a "
+                  "layer stack's loop: write the layers with jax.checkpoint (nn.remat) instead")
   return _pipelined(program, stages, microbatches, schedule, virtual)
 
 

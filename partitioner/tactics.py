@@ -230,9 +230,10 @@ class HeadPadding(ProgramRewrite):
   def rewrite(self, program, mesh):
     from partitioner.heads import pad_heads
     mesh.check_axis(self.axis)
-    if program.microbatches > 1 or program.head_multiple > 1:
-      raise ScheduleError(f"{self} pads the step as traced: put it before Microbatch and "
-                          f"Pipeline, once")
+    from partitioner.remat import rematerialised
+    if program.microbatches > 1 or program.head_multiple > 1 or rematerialised(program):
+      raise ScheduleError(f"{self} pads the step as traced: put it before Remat, Microbatch "
+                          f"and Pipeline, once")
     return pad_heads(program, mesh.size(self.axis))
 
   def describe(self, program) -> str:
@@ -244,6 +245,29 @@ class HeadPadding(ProgramRewrite):
     return ("attention heads padded with zero heads: " + ", ".join(
         f"{a} -> {b} (+{100 * (b / a - 1):.0f}% of the attention's work)"
         for a, b in sorted(pairs)) + f"; {count} inputs held padded")
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Remat(ProgramRewrite):
+  """Activation recomputation: only the values at the narrowest cuts of the forward pass (the
+  residual stream between layers) are kept for the backward pass, which computes each
+  segment's activations again just before it needs them, as `jax.checkpoint` around every
+  layer does (partitioner/remat.py). Activations shrink to the kept values and one segment's;
+  the work grows by about one forward pass. Found from the dataflow in any straight-line step."""
+  name: ClassVar[str] = "Remat"
+
+  def rewrite(self, program, mesh):
+    from partitioner.remat import remat
+    return remat(program)
+
+  def describe(self, program) -> str:
+    r = program.recomputation
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    return (f"the forward pass cut into {len(r.bounds) + 1} segments; {r.segments} of them "
+            f"({r.ops} ops) computed again before their backward pass: of the step's "
+            f"activations ({gib(r.activation_bytes)} over the whole batch, unsplit), "
+            f"{gib(r.recomputed_bytes)} recomputed, {gib(r.kept_bytes)} kept")
 
 
 @register
