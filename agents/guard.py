@@ -12,12 +12,12 @@ what fits before what does not, then the fastest. The policy wins ties.
 `fit_with_microbatches` then cuts the batch of the fastest plans that do not fit into
 micro-batches (`partitioner.Microbatch`), or recomputes their activations in the backward pass
 (`partitioner.Remat`, then cut where that alone does not fit), which shrinks activations and
-leaves the rest of a plan as it is: where nothing fits, or where a plan faster than the answer fits so (the
-environment's own cuts end an episode: the policy's line may end cut already, and the hand
-schedules are cut here, at more counts than the environment offers). It also costs the
-pipelined hand schedules, which stream micro-batches through stages, and the plans that split
-attention over an axis its heads do not divide again with the heads padded (`HeadPadding`):
-rewrites of the program, which the environment cannot play.
+leaves the rest of a plan as it is: where nothing fits, or where a plan faster than the answer
+fits so (the environment's own cuts end an episode: the policy's line may end cut already,
+and the hand schedules are cut here, at more counts than the environment offers). It also
+costs the pipelined hand schedules, which stream micro-batches through stages, and the plans
+that split attention over an axis its heads do not divide again with the heads padded
+(`HeadPadding`): rewrites of the program, which the environment cannot play.
 """
 
 from __future__ import annotations

@@ -232,8 +232,8 @@ class HeadPadding(ProgramRewrite):
     mesh.check_axis(self.axis)
     from partitioner.remat import rematerialised
     if program.microbatches > 1 or program.head_multiple > 1 or rematerialised(program):
-      raise ScheduleError(f"{self} pads the step as traced: put it before Remat, Microbatch "
-                          f"and Pipeline, once")
+      raise ScheduleError(f"{self} pads the step as traced: put it before Microbatch, "
+                          f"Pipeline and Remat, once")
     return pad_heads(program, mesh.size(self.axis))
 
   def describe(self, program) -> str:

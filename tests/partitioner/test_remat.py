@@ -92,7 +92,7 @@ def test_what_cannot_be_recomputed_is_refused_in_one_line():
     P.apply(P.apply(program, "batch=8", "Microbatch(2)").program, "batch=8", "Remat()")
   with pytest.raises(P.ScheduleError, match="put it first"):
     P.apply(program, "batch=8", "BatchParallel(batch); Remat()")
-  with pytest.raises(P.ScheduleError, match="put it before Remat"):
+  with pytest.raises(P.ScheduleError, match="before Microbatch, Pipeline and Remat"):
     P.apply(P.apply(program, "batch=8", "Remat()").program, "batch=8", "HeadPadding(batch)")
   with pytest.raises(P.ScheduleError, match="Pipeline.*recomputes its activations \\(Remat\\)"):
     P.apply(P.apply(program, "batch=8", "Remat()").program, "batch=8", "Pipeline(batch)")
