@@ -171,10 +171,8 @@ def retrace_small(program: Program, picked: list[int], n: int, k: int, what: str
   if program.head_multiple > 1:   # its attention heads padded (`HeadPadding`): so again
     from partitioner.heads import pad_heads
     small = pad_heads(small, program.head_multiple)
-  from partitioner.remat import rematerialised, remat
-  recomputation = rematerialised(program)
-  if recomputation is not None:   # its activations recomputed (`Remat`): at the same cuts
-    small = remat(small, recomputation.bounds)
+  if program.recomputation is not None:   # its activations recomputed (`Remat`): so again
+    small = program.recomputation.again(small)
   _same_structure(program, small, what)
   return small
 

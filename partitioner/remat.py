@@ -49,6 +49,10 @@ class Recomputation(NamedTuple):
   recomputed_bytes: int       # activations computed again instead of kept
   activation_bytes: int       # every forward value the backward pass reads, unrewritten
 
+  def again(self, program: Program) -> Program:
+    """`program` (the step traced again, at a micro-batch's size) recomputed at these cuts."""
+    return remat(program, self.bounds)
+
 
 def _refuse(why: str):
   raise ScheduleError(f"Remat: {why}")
