@@ -10,8 +10,9 @@ on a step whose author did not write it.
 
 Found from the dataflow, without names or a layer structure:
 
-- the forward pass is what the loss depends on (`roles.forward_ops`); a cut between two of its
-  ops carries the forward values made before it and read by forward ops after it;
+- the forward pass is every op the gradient's seed does not start (`roles._seeded_ops`); a cut
+  between two of its ops carries the forward values made before it and read by forward ops
+  after it;
 - the cuts at or under a threshold of bytes are the segments' bounds, and the threshold is the
   one that keeps least live in the backward pass: the values that cross a bound (kept, as the
   later segments' recomputation reads them) plus the largest segment's activations (live while

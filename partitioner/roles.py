@@ -178,11 +178,17 @@ def _seeded_ops(program: Program) -> frozenset[int]:
   `jax.grad` transposes the loss from the constant 1.0, so the backward pass begins at an op of
   constant operands, one of them the scalar 1.0 (`1.0 / n` for a mean, a broadcast of 1.0 for
   a sum), and everything it starts depends on residuals of the forward pass, never the other
-  way. Other such ops (`jnp.ones` masks) start a part of the forward pass too, and so start
-  more: the seed is the one that starts the fewest ops, of those that start a matmul. Empty
-  where there is none (a step without `jax.grad`)."""
+  way. Other such ops start a part of the forward pass (`jnp.ones` masks: the loss depends on
+  them), or a part of the backward pass (per-token broadcasts of 1.0 that only derivatives
+  read, made in the forward pass of HF's models with LayerNorm: GPT-2, BERT, OPT, BLOOM...).
+  Where the step returns its loss, the seed is the op reading 1.0 (its other operands may be
+  data where it makes a scalar: `1.0 / count` for a mean over the tokens a mask keeps) that
+  the loss does not depend on, starts a matmul and starts the most ops; elsewhere, the op of
+  constant operands reading 1.0 that starts a matmul and the fewest ops. Empty where there is
+  none (a step without `jax.grad`)."""
   inputs = set(program.inputs)
   constant = lambda v: program.values[v].producer is None and v not in inputs
+  loss = ancestors(program, loss_outputs(program)) if program.aliases else set()
 
   def one(v) -> bool:
     value = program.values[v]
@@ -194,13 +200,15 @@ def _seeded_ops(program: Program) -> frozenset[int]:
 
   best: frozenset[int] = frozenset()
   for op in program.ops:
-    if not op.inputs or not all(constant(v) for v in op.inputs) or not any(
-        one(v) for v in op.inputs):
+    if not op.inputs or not any(one(v) for v in op.inputs) or (
+        loss and any(v in loss for v in op.outputs)) or (
+        not all(constant(v) for v in op.inputs) and (
+            not loss or any(program.values[v].rank for v in op.outputs))):
       continue
     started = frozenset(p for v in depends_on(program, tuple(op.outputs))
                         if (p := program.values[v].producer) is not None)
     if any(program.ops[p].name == "dot_general" for p in started) and (
-        not best or len(started) < len(best)):
+        not best or (len(started) > len(best) if loss else len(started) < len(best))):
       best = started
   return best
 
