@@ -13,7 +13,7 @@ With --llama: HF Flax Llama 7B at batch 256 (one 4,096-token sequence a device) 
 Prints a table and writes benchmarks/results/remat.json (remat_llama.json with --llama).
 
   python benchmarks/remat.py            # about 18 minutes on 2 cores
-  python benchmarks/remat.py --llama    # about 2 minutes
+  python benchmarks/remat.py --llama    # about a minute
 """
 
 from __future__ import annotations
