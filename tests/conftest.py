@@ -7,6 +7,11 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
     "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's LLVM back end at -O0: compiling is most of what the tests wait for, and the
+# programs they compile are small. The HLO passes (fusion, SPMD partitioning, buffer
+# assignment) are those of an optimised build, so what the tests read of the compiled program
+# (collectives, memory footprints, dots) is the same. Subprocesses the tests start inherit it.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import jax  # noqa: E402
