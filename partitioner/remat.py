@@ -10,7 +10,7 @@ on a step whose author did not write it.
 
 Found from the dataflow, without names or a layer structure:
 
-- the forward pass is every op the gradient's seed does not start (`roles._seeded_ops`); a cut
+- the forward pass is every op the gradient's seed does not start (`roles.backward_ops`); a cut
   between two of its ops carries the forward values made before it and read by forward ops
   after it;
 - the cuts at or under a threshold of bytes are the segments' bounds, and the threshold is the
@@ -101,7 +101,7 @@ class _Plan(NamedTuple):
 
 
 def _plan(program: Program, bounds) -> _Plan:
-  backward = R._seeded_ops(program)
+  backward = R.backward_ops(program)
   if not backward:
     return _Plan(Recomputation((), 0, 0, 0, 0, 0), {})
   data = R.depends_on(program, tuple(R.roles(program).data))

@@ -160,19 +160,19 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
 def forward_ops(program: Program) -> frozenset[int]:
   """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on. A step
   that returns only its new state has no loss to follow: there, everything but what the
-  gradient's seed starts (`_seeded_ops`); every op where no seed is found."""
+  gradient's seed starts (`backward_ops`); every op where no seed is found."""
   everything = frozenset(range(len(program.ops)))
   if not program.aliases:
     return everything
   targets = loss_outputs(program)
   if not targets:
-    backward = _seeded_ops(program)
+    backward = backward_ops(program)
     return everything - backward if backward else everything
   return frozenset(p for v in ancestors(program, targets)
                    if (p := program.values[v].producer) is not None)
 
 
-def _seeded_ops(program: Program) -> frozenset[int]:
+def backward_ops(program: Program) -> frozenset[int]:
   """The ops `jax.grad`'s seed starts: the backward pass and the update after it.
 
   `jax.grad` transposes the loss from the constant 1.0, so the backward pass begins at an op of
@@ -198,13 +198,17 @@ def _seeded_ops(program: Program) -> frozenset[int]:
     except (TypeError, ValueError):
       return False
 
+  def may_seed(op) -> bool:
+    if not op.inputs or not any(one(v) for v in op.inputs):
+      return False
+    if not loss:
+      return all(constant(v) for v in op.inputs)
+    return not any(v in loss for v in op.outputs) and (
+        all(constant(v) for v in op.inputs)
+        or not any(program.values[v].rank for v in op.outputs))
+
   best: frozenset[int] = frozenset()
-  for op in program.ops:
-    if not op.inputs or not any(one(v) for v in op.inputs) or (
-        loss and any(v in loss for v in op.outputs)) or (
-        not all(constant(v) for v in op.inputs) and (
-            not loss or any(program.values[v].rank for v in op.outputs))):
-      continue
+  for op in filter(may_seed, program.ops):
     started = frozenset(p for v in depends_on(program, tuple(op.outputs))
                         if (p := program.values[v].producer) is not None)
     if any(program.ops[p].name == "dot_general" for p in started) and (
