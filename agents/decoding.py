@@ -14,6 +14,7 @@ import numpy as np
 
 from agents.networks import Networks
 from agents.ppo.networks import make_policy
+from environments.actions import ends_episode
 from partitioner.errors import ShardzeroError
 
 
@@ -41,9 +42,9 @@ def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> No
   batch axis idle on 256 devices), and the best prefix drops whatever a longer line gets wrong.
   The line stops once `PATIENCE` actions in a row have not beaten its best state, which keeps
   a proposal on a large program under a second or two. Where that state is over the memory
-  budget, it and the states before it are cut into micro-batches the policy's way
-  (`_cut_back`; not without `cut`): the policy proposes, the simulator says which of its
-  proposals stands."""
+  budget, or is one the line rewrote to fit (it ends cut into micro-batches or recomputed),
+  it and the states before it are rewritten the policy's way (`_cut_back`; not without
+  `cut`): the policy proposes, the simulator says which of its proposals stands."""
   if env.done:
     return
   start, line = len(env.history), env.clone()
@@ -55,7 +56,8 @@ def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> No
     if line.score() > best_score + 1e-12:
       best, best_score = len(line.history) - start, line.score()
   moves = list(line.history[start:start + best])
-  if cut and not _after(env, moves).fits:
+  rewritten = bool(moves) and ends_episode(env.action_name(moves[-1]))
+  if cut and (rewritten or not _after(env, moves).fits):
     moves = _cut_back(env, moves, choose)
   for a in moves:
     env.step(a)
@@ -73,13 +75,15 @@ def _after(env, moves):
 
 def _cut_back(env, moves: list[int], choose: Callable[[dict], int]) -> list[int]:
   """Where the line's best state is over the memory budget (so is every state of the line: one
-  that fits scores higher): the states of the line from it back toward the start, each cut
-  into micro-batches as the policy would cut it (`_cut_in_turn`), while one of its cuts fits;
-  the best of those (and of the line's own, where it ended cutting). A move that saves memory
-  at a cost in time (ZeRO-3 over an axis across nodes) is what a line over the budget ends
-  with, and what a cut makes needless: on HF Llama 7B at 64 H100s the line's best state cut
-  is 1.46x the state before it, cut."""
-  ends_cut = bool(moves) and env.action_name(moves[-1]).startswith("Microbatch(")
+  that fits scores higher), or ends rewritten (cut or recomputed, after states that did not
+  fit): the states of the line from it back toward the start, each cut into micro-batches or
+  recomputed as the policy would (`_cut_in_turn`), while one of those fits; the best of them
+  (and of the line's own, where it ended rewritten). A move that saves memory at a cost in
+  time (ZeRO-3 over an axis across nodes) is what a line over the budget ends with, and what a
+  rewrite makes needless: on HF Llama 7B at 64 H100s the line's best state cut is 1.46x the
+  state before it, cut; at 1,024 H100s the line recomputed after ZeRO-2 over the batch axis is
+  1.38x the state before that ZeRO, recomputed."""
+  ends_cut = bool(moves) and ends_episode(env.action_name(moves[-1]))
   candidates = []
   if ends_cut:
     candidates.append((_after(env, moves).score(), moves))
@@ -94,11 +98,16 @@ def _cut_back(env, moves: list[int], choose: Callable[[dict], int]) -> list[int]
 
 
 def _cut_in_turn(env, choose: Callable[[dict], int]) -> int | None:
-  """The policy's cuts of the batch into micro-batches (`Microbatch(k)`, which ends the
-  episode) in `env`'s state, its most likely first, until one fits; where none does, the one
-  that scores best, if it beats the state uncut. Played in `env`; returns it (None: none)."""
+  """The policy's cuts of the batch into micro-batches and its recomputation of the
+  activations (`Microbatch(k)`, `Remat()`: each ends the episode) in `env`'s state, its most
+  likely first, until one fits; where none does, the one that scores best, if it beats the
+  state as it is. Played in `env`; returns it (None: none). None is tried where the inputs
+  alone (parameters, optimizer state, batch) are over the budget: neither rewrite shrinks them,
+  and each traces the whole step again (seconds a try on a 7B model)."""
+  if env.cost.memory.argument_bytes >= env.context.budget:
+    return None
   observation = env.observation()
-  cuts = {int(a) for a in env.legal_actions() if env.action_name(a).startswith("Microbatch(")}
+  cuts = {int(a) for a in env.legal_actions() if ends_episode(env.action_name(a))}
   best, best_score = None, env.score()
   while cuts:
     mask = np.zeros_like(observation["action_mask"])

@@ -1,5 +1,5 @@
 """The action space of a task: tile a decision point, apply a manual tactic, cut the batch
-into micro-batches (which ends the episode), or finish.
+into micro-batches or recompute the activations (either ends the episode), or finish.
 
 A decision point is a set of function inputs that one tactic would treat alike: the same
 parameter in every layer (`params/gpt/layer_*/attn/query/w`), the optimizer state of those
@@ -11,6 +11,9 @@ role at once, and its glob pattern is exactly its members, so the action is writ
 action it comes last: it ends the episode with the plan so far replayed on the step cut into
 k micro-batches. Plans that do not fit for their activations fit so, and where no plan of the
 whole batch fits (a 7B model at one sequence a device), it is the only answer that does.
+`Remat()` ends an episode the same way, the plan replayed on the step that computes its
+activations again in the backward pass (`partitioner.remat`): at one sequence a device it is
+the faster of the two (HF Llama 7B on 256 H100s: 1.40 s where the best cut is 1.79 s).
 """
 
 from __future__ import annotations
@@ -24,13 +27,22 @@ from partitioner.ir import Program
 from partitioner.mesh import Mesh
 from partitioner.propagation import ShardingState
 from partitioner.tactics import (BatchParallel, EmbeddingSharding, ExpertParallel, Megatron,
-                                 Microbatch, SequenceParallel, Tactic, Tile, ZeRO, tactic_problem)
+                                 Microbatch, Remat, SequenceParallel, Tactic, Tile, ZeRO,
+                                 tactic_problem)
 
 ROLES = ("param", "opt", "data")
 # The manual tactics an agent may apply, per mesh axis; the action feature `kind` indexes this.
 TACTIC_KINDS = ("tile", "BatchParallel", "Megatron", "ZeRO", "EmbeddingSharding",
-                "ExpertParallel", "SequenceParallel", "Microbatch", "finish")
+                "ExpertParallel", "SequenceParallel", "Microbatch", "Remat", "finish")
 MICROBATCHES = (2, 4, 8, 16)   # the micro-batch counts an episode may end with
+# The kinds of the actions that rewrite the step, replay the plan on it and end the episode.
+ENDINGS = ("Microbatch", "Remat")
+
+
+def ends_episode(name: str) -> bool:
+  """Whether an action, by its name (`Microbatch(4)`, `Remat()`), rewrites the step and ends
+  the episode."""
+  return name.startswith("Microbatch(") or name == "Remat()"
 
 
 class DecisionPoint(NamedTuple):
@@ -143,12 +155,25 @@ def microbatch_problem(cut: BatchCut | None, k: int) -> str | None:
   return None
 
 
+def remat_problem(program: Program) -> str | None:
+  """Why the step's activations cannot be recomputed (`partitioner.remat`; None if they can):
+  a loop it cannot reach into, a step written with `jax.checkpoint`, no backward pass."""
+  if program.regions:
+    return "the step keeps a loop"
+  if any(op.primitive.name == "optimization_barrier" for op in program.ops):
+    return "the step recomputes already (jax.checkpoint)"
+  if program.microbatches > 1 or program.stages > 1 or not R.backward_ops(program):
+    return "the step has no backward pass to recompute for"
+  return None
+
+
 def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
                  axes: Sequence[str] | None = None, cuts: bool = True) -> list[Action]:
   """Every action of a task over `axes` (default: all): the tiles that divide, the manual
   tactics that apply to the unpartitioned program (one that does not never will), with `cuts`
   the micro-batch counts that divide the batch (not for a sub-problem over some axes or from
-  a partitioned start: it cannot rewrite the program it starts from), and finish (last)."""
+  a partitioned start: it cannot rewrite the program it starts from) and the recomputation of
+  the activations where it applies, and finish (last)."""
   sizes = mesh.sizes
   axes = mesh.names if axes is None else tuple(axes)
   actions = []
@@ -164,6 +189,8 @@ def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],
   cut = batch_cut(program) if cuts and set(axes) == set(mesh.names) else None
   actions += [Action("Microbatch", Microbatch(k)) for k in MICROBATCHES
               if microbatch_problem(cut, k) is None]
+  if cuts and set(axes) == set(mesh.names) and remat_problem(program) is None:
+    actions.append(Action("Remat", Remat()))
   actions.append(Action("finish", None))
   return actions
 

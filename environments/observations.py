@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 from dm_env import specs
 
-from environments.actions import ROLES, TACTIC_KINDS, Action, DecisionPoint, batch_cut
+from environments.actions import ENDINGS, ROLES, TACTIC_KINDS, Action, DecisionPoint, batch_cut
 from partitioner import roles as R
 from partitioner.cost.compute import REDUCTIONS, OpWork, op_work
 from partitioner.cost.hardware import Hardware
@@ -33,7 +33,8 @@ MAX_AXES = 4      # mesh axes an observation can describe
 # 3: mesh axes take slots by where they land (`Placement.slots`), not by their written order,
 # and each slot says how many nodes its axis spans.
 # 4: `Microbatch` actions (a kind and their count) and the inputs' share of the budget.
-OBSERVATION_VERSION = 4
+# 5: `Remat` actions (a kind).
+OBSERVATION_VERSION = 5
 
 # Node kind ids, fixed: 0 padding, 1 an input, 2 a primitive not in the table, then the table
 # in order. New primitives are appended (the test of the table fails until they are), so the
@@ -89,10 +90,10 @@ class ActionColumns:
 
 
 def is_manual_tactic(actions: np.ndarray) -> np.ndarray:
-  """Per action row, whether it applies a manual tactic (neither a tile, a cut into
-  micro-batches nor finish)."""
+  """Per action row, whether it applies a manual tactic (neither a tile, a rewrite that ends
+  the episode nor finish)."""
   kinds = actions[..., ActionColumns.KIND]
-  manual = [i for i, k in enumerate(TACTIC_KINDS) if k not in ("tile", "Microbatch", "finish")]
+  manual = [i for i, k in enumerate(TACTIC_KINDS) if k not in ("tile", *ENDINGS, "finish")]
   return kinds[..., manual].sum(-1) > 0
 
 
@@ -278,8 +279,10 @@ class StaticGraph:
     # evenly, and the features give their bytes by role.
     self.footprints = {i: tactic_footprint(action.tactic, program, mesh)
                        for i, action in enumerate(actions)
-                       if action.kind not in ("tile", "Microbatch", "finish")}
+                       if action.kind not in ("tile", *ENDINGS, "finish")}
     cut = batch_cut(program) if any(a.kind == "Microbatch" for a in actions) else None
+    batch = R.batch_inputs(program, roles.data)[0] if any(
+        a.kind == "Remat" for a in actions) else ()
     all_bytes = max(sum(values[v].nbytes for v in role), 1)
     act = np.zeros((a, ACTION_FEATURES), np.float32)
     touched = np.zeros((a, TOUCHED), np.int32)
@@ -303,6 +306,8 @@ class StaticGraph:
         members = sorted(point.members)
       elif action.kind == "Microbatch":   # the inputs it cuts
         members = sorted(cut.inputs)
+      elif action.kind == "Remat":   # the inputs its activations grow with
+        members = sorted(batch)
       else:   # the inputs it tiles (their updated outputs follow them)
         members = sorted(v for v in self.footprints.get(i, ()) if v in role)
       if not members:

@@ -26,7 +26,8 @@ import dm_env
 import numpy as np
 from dm_env import specs
 
-from environments.actions import Action, DecisionPoint, action_space, decision_points, tile_problem
+from environments.actions import (ENDINGS, Action, DecisionPoint, action_space, decision_points,
+                                  tile_problem)
 from environments.observations import Sizes, StaticGraph, dynamic_features, observation_spec
 from environments.states import StateCache, StateInfo, ZobristHash
 from environments.tasks import (TASKS, Task, TaskCache, TaskDistribution, folded_program,
@@ -95,10 +96,10 @@ class TaskContext:
             self._tiles_of[v].append(i)
     self._tiles = [i for i, a in enumerate(self.actions) if a.kind == "tile"]
     self._others = [i for i, a in enumerate(self.actions) if a.kind != "tile"]
-    # Per manual tactic but ZeRO and Microbatch: the values whose sharding its legality depends
-    # on.
+    # Per manual tactic but ZeRO and the endings: the values whose sharding its legality
+    # depends on.
     self._footprint = {i: fp for i, fp in self.graph.footprints.items()
-                       if self.actions[i].kind not in ("ZeRO", "Microbatch")}
+                       if self.actions[i].kind not in ("ZeRO", *ENDINGS)}
     self._hash = ZobristHash()
     self.states = StateCache(cache_size)
     self.root = self._make(start if start is not None else PartitionedProgram(program, mesh), None)
@@ -109,23 +110,24 @@ class TaskContext:
     info = self.states.get(history)
     if info is None:
       action = self.actions[history[-1]]
-      if action.kind == "Microbatch":
-        info = self._microbatched(parent, action.tactic)
+      if action.kind in ENDINGS:
+        info = self._rewritten(parent, action.tactic)
       else:
         info = self._make(parent.pp.apply(action.tactic), parent)
       self.states.put(history, info)
     return info
 
-  def _microbatched(self, parent: StateInfo, tactic) -> StateInfo:
-    """The last state of an episode that ends cutting the batch: `parent`'s schedule after
-    `tactic` on the task's own program (a folded program's layers do not fold once cut: the
-    loop's carries differ from depth to depth), simulated whole. Only finish is legal after
-    it; its observation is `parent`'s shardings with its own cost.
+  def _rewritten(self, parent: StateInfo, tactic) -> StateInfo:
+    """The last state of an episode that ends rewriting the step (cutting the batch,
+    recomputing the activations): `parent`'s schedule after `tactic` on the task's own program
+    (a folded program's layers do not fold once rewritten: a cut's loop carries differ from
+    depth to depth, and recomputation moves ops across layers), simulated whole. Only finish
+    is legal after it; its observation is `parent`'s shardings with its own cost.
 
-    Where the schedule does not apply to the cut step (propagation can reach further through
-    the loop, so that a later tile conflicts; or the step traces differently at a micro-batch's
-    size), the episode ends as finish would: `parent` itself, uncut. Which plans replay so is
-    known only by replaying them, too dear for every state's mask."""
+    Where the schedule does not apply to the rewritten step (propagation can reach further
+    through the loop, so that a later tile conflicts; or the step traces differently at a
+    micro-batch's size), the episode ends as finish would: `parent` itself, unrewritten. Which
+    plans replay so is known only by replaying them, too dear for every state's mask."""
     from partitioner.cost import simulate
     mask = np.zeros(self.graph.sizes.actions, bool)
     mask[self.finish] = True
@@ -184,7 +186,8 @@ class TaskContext:
       action = self.actions[i]
       if action.kind == "finish":
         mask[i] = True
-      elif action.kind == "Microbatch":   # legal from the start (its count divides the batch)
+      elif action.kind in ENDINGS:   # legal from the start (a count divides the batch; the
+        # activations of a straight-line step can be recomputed)
         mask[i] = True
       elif action.kind == "ZeRO":
         mask[i] = action.axis not in zero_axes

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
+from environments.actions import ends_episode
 from partitioner.errors import ShardzeroError
 
 
@@ -71,7 +72,7 @@ def demonstration_moves(env, simulations: int = 0) -> list[int]:
                              plan.score)
   if not moves or score <= env.score():
     return []
-  cut = env.action_name(moves[-1]).startswith("Microbatch(")   # it ends the episode itself
+  cut = ends_episode(env.action_name(moves[-1]))   # it ends the episode itself
   return moves if cut else [*moves, env.finish_action]
 
 

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from agents.search.planning import Plan, PlanningActor, cut_if_over, play
+from environments.actions import ENDINGS
 from environments.protocols import SearchEnvironment
 
 CANDIDATES = 32      # actions given a variable (see `_candidates`)
@@ -175,10 +176,10 @@ def _round(env: SearchEnvironment, time_limit_s: float, manual: bool) -> _Round:
   ctx, budget = env.context, env.context.budget
   steps_left = env.config.max_steps - len(env.history)
   t0, m0 = _serial(env.cost), _memory(env.cost)
-  # Not `Microbatch`: it ends the episode, so it composes with nothing after it (the plan
-  # ends cut where it is over the budget: `ILPActor.plan`).
+  # Not `Microbatch` nor `Remat`: they end the episode, so they compose with nothing after
+  # them (the plan ends rewritten where it is over the budget: `ILPActor.plan`).
   choices = sorted((int(a) for a in env.legal_actions()
-                    if a != ctx.finish and ctx.actions[a].kind != "Microbatch"
+                    if a != ctx.finish and ctx.actions[a].kind not in ENDINGS
                     and (manual or ctx.actions[a].kind == "tile")),
                    key=lambda a: (_rank(ctx, a), a))
   if steps_left < 2 or not choices:

@@ -12,6 +12,7 @@ import time
 from typing import NamedTuple
 
 from agents.core import Actor
+from environments.actions import ends_episode
 from environments.protocols import SearchEnvironment
 
 
@@ -63,15 +64,16 @@ def path_to(env: SearchEnvironment, start: int) -> tuple[int, ...]:
 
 
 def cut_if_over(env: SearchEnvironment) -> tuple[int, ...]:
-  """Where `env`'s state is over its memory budget, the micro-batch action (`Microbatch(k)`,
-  which ends the episode) whose state scores best, if that beats the state as it is; else ().
-  The agents that plan a whole schedule at once (the ILP, the experts) end so: activations
-  shrink with the micro-batch, so a plan over the budget for them fits once its batch is cut."""
+  """Where `env`'s state is over its memory budget, the action that rewrites the step and ends
+  the episode (`Microbatch(k)`, `Remat()`) whose state scores best, if that beats the state as
+  it is; else (). The agents that plan a whole schedule at once (the ILP, the experts) end so:
+  activations shrink with the micro-batch or once recomputed, so a plan over the budget for
+  them fits once rewritten."""
   if env.done or env.fits:
     return ()
   best, best_score = (), env.score()
   for a in env.legal_actions():
-    if env.action_name(a).startswith("Microbatch("):
+    if ends_episode(env.action_name(a)):
       line = env.clone()
       line.step(a)
       if line.score() > best_score:

@@ -3,6 +3,7 @@ into micro-batches in the policy's order where it is over the budget."""
 
 from agents.decoding import PATIENCE, play_best_prefix
 from environments import PartitioningEnv, Task
+from environments.actions import ends_episode
 
 # On this task the line below first loses (data parallelism alone), then gains (Megatron over
 # the model axis), then loses again (ZeRO-1 over the model axis after Megatron).
@@ -80,9 +81,9 @@ def test_the_line_stops_after_patience_actions_without_a_new_best():
 
 def test_a_best_state_over_the_budget_ends_with_the_policy_s_first_cut_that_fits():
   """gpt:mini at 8 sequences a device, in 60% of the smallest peak any hand schedule reaches,
-  after ZeRO-3 over both axes (then only cuts into micro-batches are legal): the line ends
-  cutting into 2, which does not fit, so it is taken back and the policy asked for its cuts,
-  most likely first: 2 again, then 4, which fits and ends the episode."""
+  after ZeRO-3 over both axes (then only cuts into micro-batches and recomputation are legal):
+  the line ends cutting into 2, which does not fit, so it is taken back and the policy asked
+  for its cuts, most likely first: 2 again, then 4, which fits and ends the episode."""
   from environments.tasks import smallest_expert_peak
   task = Task("gpt:mini,batch=64", "batch=2,model=4")
   env = PartitioningEnv(Task(task.model, task.mesh, "h100",
@@ -91,8 +92,8 @@ def test_a_best_state_over_the_budget_ends_with_the_policy_s_first_cut_that_fits
   for text in ("BatchParallel(batch)", "ZeRO(batch)", "ZeRO(model)"):
     env.step(env.action_index(text))
   names = lambda mask: {env.action_name(a) for a in mask.nonzero()[0]}
-  assert names(env.observation()["action_mask"]) == {
-      "Microbatch(2)", "Microbatch(4)", "Microbatch(8)", "Microbatch(16)", "Finish"}
+  cuts = {"Microbatch(2)", "Microbatch(4)", "Microbatch(8)", "Microbatch(16)", "Remat()"}
+  assert names(env.observation()["action_mask"]) == cuts | {"Finish"}
   cut = lambda k: env.action_index(f"Microbatch({k})")
   answers, offered = iter([cut(2), cut(2), cut(4)]), []
 
@@ -103,8 +104,7 @@ def test_a_best_state_over_the_budget_ends_with_the_policy_s_first_cut_that_fits
   play_best_prefix(env, policy)
   assert [env.action_name(a) for a in env.history][3:] == ["Microbatch(4)"]
   assert env.done and env.fits
-  assert offered == [{"Microbatch(2)", "Microbatch(4)", "Microbatch(8)", "Microbatch(16)"}] * 2 + [
-      {"Microbatch(4)", "Microbatch(8)", "Microbatch(16)"}]
+  assert offered == [cuts] * 2 + [cuts - {"Microbatch(2)"}]
 
 
 def test_a_line_over_the_budget_is_cut_where_it_pays_most_walking_back():
@@ -124,8 +124,9 @@ def test_a_line_over_the_budget_is_cut_where_it_pays_most_walking_back():
 
   def policy(observation):
     legal = observation["action_mask"].nonzero()[0]
-    if all(env.action_name(a).startswith("Microbatch(") for a in legal):
-      return int(min(legal, key=count))       # cuts: the smallest count first
+    if all(ends_episode(env.action_name(a)) for a in legal):   # cuts: the smallest count first
+      counts = [a for a in legal if env.action_name(a) != "Remat()"]
+      return int(min(counts, key=count)) if counts else int(legal[0])   # then recomputation
     return next(line)
 
   scores = {}
@@ -140,3 +141,35 @@ def test_a_line_over_the_budget_is_cut_where_it_pays_most_walking_back():
   play_best_prefix(env, policy)
   assert [env.action_name(a) for a in env.history] == [*plan[:3], "Microbatch(4)"]
   assert env.done and env.fits and env.score() == scores[3, 4][1]
+
+
+def test_a_line_that_ends_recomputed_is_recomputed_where_it_pays_most_walking_back():
+  """gpt:mini at 8 sequences a device on 32 H100s in 1,900 MiB: no state of the line fits
+  whole; it ends recomputing its activations after ZeRO-3 over the batch axis, across nodes,
+  which fits. Recomputed one state earlier it fits too, and faster: the ZeRO was needless once
+  recomputed. Two states earlier, recomputed, it does not fit: the walk back stops there."""
+  env = PartitioningEnv(Task("gpt:mini,batch=256", "batch=4,model=8", "h100", 1900 * 2**20))
+  env.reset()
+  plan = ("BatchParallel(batch)", "BatchParallel(model)", "ZeRO(model)", "ZeRO(batch)")
+  line = iter([*(env.action_index(t) for t in plan), env.action_index("Remat()")])
+  remat = env.action_index("Remat()")
+
+  def policy(observation):
+    legal = observation["action_mask"].nonzero()[0]
+    if all(ends_episode(env.action_name(a)) for a in legal):   # recomputation, nothing else
+      return remat if remat in legal else env.finish_action
+    return next(line)
+
+  states = {}
+  for n in (2, 3, 4):
+    trial = env.clone()
+    for text in plan[:n]:
+      trial.step(trial.action_index(text))
+    whole = trial.fits
+    trial.step(remat)
+    states[n] = (whole, trial.fits, trial.score())
+  assert not any(whole for whole, _, _ in states.values())          # the premises
+  assert states[4][1] and states[3][1] and not states[2][1] and states[3][2] > states[4][2]
+  play_best_prefix(env, policy)
+  assert [env.action_name(a) for a in env.history] == [*plan[:3], "Remat()"]
+  assert env.done and env.fits and env.score() == states[3][2]

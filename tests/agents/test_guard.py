@@ -91,7 +91,7 @@ def test_micro_batches_try_only_the_plans_that_do_not_fit_and_beat_the_answer(un
   env, g = _guarded(untrained, "batch=2,model=4", budget=int(2.5 * 2**30),
                     model="gpt:mini,batch=64")
   assert not any(h.fits for h in g.hand if h.cost is not None)
-  assert not g.policy_fits or g.policy_schedule.startswith("Microbatch(")
+  assert not g.policy_fits or g.policy_schedule.startswith(("Microbatch(", "Remat()"))
   cut = fit_with_microbatches(env.context, g, faster_than=float("inf"))
   assert cut is not None and cut.pp.program.microbatches == cut.k
   assert cut.cost.peak_memory_bytes <= env.context.budget

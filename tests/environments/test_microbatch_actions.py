@@ -89,7 +89,7 @@ def test_a_plan_that_does_not_replay_on_the_cut_step_ends_uncut():
 def test_a_plan_over_the_budget_ends_cut_where_that_fits(agent):
   """At a budget a third under the smallest peak any hand schedule reaches (eight sequences a
   device: activations dominate), no plan of the whole batch fits; the expert's and the ILP's
-  fit once cut."""
+  fit once cut or recomputed."""
   from agents.environment_loop import EnvironmentLoop
   from agents.loggers import InMemoryLogger
   from agents.search.expert import ExpertActor
@@ -100,5 +100,5 @@ def test_a_plan_over_the_budget_ends_cut_where_that_fits(agent):
   env = PartitioningEnv(Task(task.model, MESH, "h100", budget))
   actor = ExpertActor(env) if agent == "expert" else ILPActor(env, time_limit_s=10)
   EnvironmentLoop(env, actor, logger=InMemoryLogger(), should_update=False).run_episode()
-  assert env.partitioned.strategy.startswith("Microbatch(")
+  assert env.partitioned.strategy.startswith(("Microbatch(", "Remat()"))
   assert env.fits

@@ -30,7 +30,9 @@ def test_action_columns_are_where_the_features_are():
   np.testing.assert_array_equal(
       actions[:n, ActionColumns.KIND].argmax(1), [TACTIC_KINDS.index(k) for k in kinds])
   np.testing.assert_array_equal(is_manual_tactic(actions[:n]),
-                                [k not in ("tile", "Microbatch", "finish") for k in kinds])
+                                [k not in ("tile", "Microbatch", "Remat", "finish")
+                                 for k in kinds])
+  assert kinds.count("Remat") == 1
   cuts = [i for i, a in enumerate(env.context.actions) if a.kind == "Microbatch"]
   assert [round(2 ** (6 * float(actions[i, ActionColumns.MICROBATCHES]))) for i in cuts] == \
       [env.context.actions[i].tactic.k for i in cuts] != []
