@@ -42,7 +42,7 @@ ENDINGS = ("Microbatch", "Remat")
 def ends_episode(name: str) -> bool:
   """Whether an action, by its name (`Microbatch(4)`, `Remat()`), rewrites the step and ends
   the episode."""
-  return name.startswith("Microbatch(") or name == "Remat()"
+  return name.split("(")[0] in ENDINGS
 
 
 class DecisionPoint(NamedTuple):
@@ -156,15 +156,13 @@ def microbatch_problem(cut: BatchCut | None, k: int) -> str | None:
 
 
 def remat_problem(program: Program) -> str | None:
-  """Why the step's activations cannot be recomputed (`partitioner.remat`; None if they can):
-  a loop it cannot reach into, a step written with `jax.checkpoint`, no backward pass."""
-  if program.regions:
-    return "the step keeps a loop"
-  if any(op.primitive.name == "optimization_barrier" for op in program.ops):
-    return "the step recomputes already (jax.checkpoint)"
-  if program.microbatches > 1 or program.stages > 1 or not R.backward_ops(program):
+  """Why the step's activations cannot be recomputed (None if they can): what `Remat` refuses
+  as written (`partitioner.remat.refusal`: a kept loop, `jax.checkpoint`), or no backward pass."""
+  from partitioner.remat import refusal
+  why = refusal(program)
+  if why is None and not R.backward_ops(program):
     return "the step has no backward pass to recompute for"
-  return None
+  return why
 
 
 def action_space(program: Program, mesh: Mesh, points: Sequence[DecisionPoint],

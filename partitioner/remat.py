@@ -72,17 +72,26 @@ def remat(program: Program, bounds: tuple[int, ...] | None = None) -> Program:
   """The step with its activations computed again in the backward pass (module docstring);
   `bounds` (forward op indices that begin a segment) fixes the cuts, as when the step is
   traced again at a micro-batch's size."""
+  why = refusal(program)
+  if why is not None:
+    _refuse(why)
+  return _remat(program, bounds)
+
+
+def refusal(program: Program) -> str | None:
+  """Why `remat` refuses the step as it is written (None: it looks for cuts), without looking
+  for them: the environment offers `Remat()` only where this is None."""
   if rematerialised(program) is not None:
-    _refuse("the step recomputes its activations already (Remat came twice)")
+    return "the step recomputes its activations already (Remat came twice)"
   if program.microbatches > 1 or program.stages > 1:
-    _refuse("put it before Microbatch and Pipeline: it rewrites the step as traced, and their "
+    return ("put it before Microbatch and Pipeline: it rewrites the step as traced, and their "
             "loops keep one micro-batch's activations")
   if program.regions:
-    _refuse("the step keeps a loop (a scanned layer stack), whose body it cannot reach into: "
+    return ("the step keeps a loop (a scanned layer stack), whose body it cannot reach into: "
             "wrap the loop's body in jax.checkpoint (nn.remat, hk.remat) instead")
   if any(op.primitive.name == "optimization_barrier" for op in program.ops):
-    _refuse("the step recomputes already (it was written with jax.checkpoint)")
-  return _remat(program, bounds)
+    return "the step recomputes already (it was written with jax.checkpoint)"
+  return None
 
 
 @per_program
