@@ -29,7 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 import partitioner as P  # noqa: E402
 from environments.tasks import Task, folded_program, load_program  # noqa: E402
-from partitioner.cost import Simulator, load_hardware  # noqa: E402
+from partitioner.cost import Simulator, load_hardware, simulate  # noqa: E402
 from partitioner.errors import ShardzeroError  # noqa: E402
 from partitioner.mesh import Mesh  # noqa: E402
 
@@ -69,14 +69,17 @@ def price(rows: list[dict], before: str) -> dict:
     folding = folded_program(task)
     program = folding.program if folding is not None else load_program(r["model"])
     mesh = Mesh.parse(r["mesh"])
-    sims = {"after": Simulator(program, mesh, load_hardware(r["hardware"]), folding=folding),
-            "before": Simulator(program, mesh, variant(r["hardware"], before), folding=folding)}
+    hardware = {"after": load_hardware(r["hardware"]), "before": variant(r["hardware"], before)}
+    sims = {k: Simulator(program, mesh, hw, folding=folding) for k, hw in hardware.items()}
     for schedule in schedules:
       try:
         pp = P.apply(program, mesh, schedule)
+        if pp.program is not program:   # cut or recomputed: priced whole, unfolded
+          pp = P.apply(load_program(r["model"]), mesh, schedule)
       except ShardzeroError:
         continue
-      costs = {k: s(pp) for k, s in sims.items()}
+      costs = {k: s(pp) if pp.program is program else simulate(pp, hardware[k])
+               for k, s in sims.items()}
       out[(task_name, schedule)] = {
           k: (c.step_time_s, budget is None or c.peak_memory_bytes <= budget)
           for k, c in costs.items()}

@@ -259,6 +259,10 @@ class Simulator:
     return divisors, work.global_flops / shard, nbytes
 
   def __call__(self, pp) -> CostReport:
+    if pp.program is not self.program:   # e.g. a schedule ending Microbatch/Remat rewrote it
+      raise ValueError("the plan is of another program than the simulator's (a schedule that "
+                       "cuts the batch or recomputes rewrites the program): price it with a "
+                       "Simulator of pp.program, or with simulate(pp)")
     hw, work = self.hardware, self.work
     a = self.arrays(pp.plan)
     divisors, flops, nbytes = self.costs(pp, a)

@@ -6,6 +6,7 @@ import pytest
 
 import corpus
 from environments import PartitioningEnv, Task
+from environments.actions import ENDINGS
 from environments.tasks import folded_program, load_program
 from partitioner import apply
 from partitioner.cost import CATALOG, Simulator, simulate
@@ -21,13 +22,19 @@ def _shallow(layers):
 
 
 def _random_schedules(n, seed=0):
+  """Random plans of tactics that keep the program (no Microbatch or Remat: they rewrite the
+  step, whose layers no longer fold)."""
   env = PartitioningEnv(TASK, seed=seed, fold=False)
   rng, out = np.random.default_rng(seed), []
+  actions = env.context.actions[:env.context.finish]
+  keeping = [i for i, a in enumerate(actions) if a.kind not in ENDINGS]
   for _ in range(n):
     env.reset()
     for _ in range(int(rng.integers(2, 9))):
-      legal = env.legal_actions()
-      env.step(int(rng.choice(legal[:-1] if len(legal) > 1 else legal)))
+      legal = np.intersect1d(env.legal_actions(), keeping)
+      if not len(legal):
+        break
+      env.step(int(rng.choice(legal)))
       if env.done:
         break
     out.append(env.partitioned.strategy)
@@ -119,6 +126,11 @@ def test_programs_that_are_not_a_stack_do_not_fold():
   with pytest.raises(ValueError, match="another program"):
     Simulator(_shallow(2), Mesh.parse(TASK.mesh), "h100",
               folding=fold(_shallow(2), _shallow(3), 6))
+  # A plan whose schedule rewrote the step is not priced on the folded program.
+  folding = fold(_shallow(2), _shallow(3), 6)
+  simulator = Simulator(folding.program, Mesh.parse(TASK.mesh), "h100", folding=folding)
+  with pytest.raises(ValueError, match="another program"):
+    simulator(apply(folding.program, Mesh.parse(TASK.mesh), "Microbatch(2); BatchParallel(batch)"))
   # Too shallow to gain, no corpus model, or experts whose folded costs are off: not folded.
   assert folded_program(Task("gpt:small,layers=3", TASK.mesh)) is None
   assert folded_program(Task("my_model.py:build", TASK.mesh)) is None
