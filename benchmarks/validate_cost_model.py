@@ -13,7 +13,8 @@ docs/validation.md and benchmarks/results/validation.json.
    ordering is what is compared.
 4. Step time on one GPU: the table `benchmarks/gpu_step_times.py` measured on a lent GPU
    (docs/gpu/*.json), carried over as it stands, since this machine has none; and the
-   published large runs `benchmarks/published.py` predicts (docs/published.json).
+   published large runs `benchmarks/published.py` predicts (docs/published.json), and the
+   published TPU runs of `benchmarks/published_tpu.py` (docs/published_tpu.json).
    The same compiled programs give the deferred partial sums table: all-reduces per step
    with every sum reduced where it is made, deferred, and as XLA compiles the deferred plan.
 5. Collective combining at scale: data parallelism and ZeRO on H100 clusters of 256 and 1024
@@ -40,6 +41,7 @@ from scipy import stats  # noqa: E402
 import corpus  # noqa: E402
 import gpu_step_times  # noqa: E402
 import published  # noqa: E402
+import published_tpu  # noqa: E402
 import partitioner as P  # noqa: E402
 from partitioner.collectives import ALL_REDUCE  # noqa: E402
 from partitioner.cost import simulate  # noqa: E402
@@ -409,7 +411,12 @@ def main(argv=None) -> int:
   runs = Path("docs/published.json")   # benchmarks/published.py: kept as it stands
   if runs.exists():
     table = json.loads(runs.read_text())
-    text = published.with_section(text, published.render(table["rows"], table["hardware"]))
+    text = published.with_section(text, published.render(table["rows"], table["hardware"],
+                                                         table.get("collectives", ())))
+  runs = Path("docs/published_tpu.json")   # benchmarks/published_tpu.py: likewise
+  if runs.exists():
+    text = published_tpu.with_section(
+        text, published_tpu.render(json.loads(runs.read_text())["rows"]))
   Path(args.out).write_text(text)
   results = Path("benchmarks/results/validation.json")
   results.parent.mkdir(parents=True, exist_ok=True)
