@@ -121,8 +121,9 @@ def test_console_script_help_and_exit_code():
 
 @pytest.mark.slow
 def test_partition_reports_the_cost_on_the_chosen_hardware(capsys):
-  code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "batch=8,model=8", "--tactics",
-                     "BatchParallel(batch); Megatron(model)", "--hardware", "h100", "--json", "-")
+  code, out, _ = run(capsys, "partition", "gpt:1.3b,scan=True", "--mesh", "batch=8,model=8",
+                     "--tactics", "BatchParallel(batch); Megatron(model)", "--hardware", "h100",
+                     "--json", "-")
   cost = json.loads(out)["cost"]
   assert code == 0
   assert {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes", "fits",
@@ -132,15 +133,16 @@ def test_partition_reports_the_cost_on_the_chosen_hardware(capsys):
   # Megatron's all-reduces inside a node, the gradients' across it with one GPU per node.
   assert all(re.fullmatch(r"(ring|tree) all-reduce, (LL|LL128|Simple) \((NVLink|InfiniBand)\)",
                           d["decomposition"]) for d in cost["decompositions"])
-  code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "batch=8,model=8", "--tactics",
-                     "BatchParallel(batch); Megatron(model)", "--order", "model,batch")
+  code, out, _ = run(capsys, "partition", "gpt:1.3b,scan=True", "--mesh", "batch=8,model=8",
+                     "--tactics", "BatchParallel(batch); Megatron(model)", "--order",
+                     "model,batch")
   assert code == 0 and "predicted on h100 (batch: intra, model: inter)" in out
   assert "does not fit" not in out and "memory per device: peak" in out
 
 
 @pytest.mark.slow
 def test_large_meshes_are_simulated_without_devices(capsys):
-  code, out, _ = run(capsys, "partition", "gpt:1.3b", "--mesh", "data=64,model=8",
+  code, out, _ = run(capsys, "partition", "gpt:1.3b,scan=True", "--mesh", "data=64,model=8",
                      "--tactics", "BatchParallel(data); Megatron(model)", "--hardware", "tpu-v4",
                      "--json", "-")
   assert code == 0 and json.loads(out)["cost"]["step_time_s"] > 0

@@ -213,3 +213,23 @@ def test_tile_matches_globs_and_reports_its_targets():
   pp = P.apply(program, "model=8", "Tile(params/gpt/layer_*/w_in/w, 1, model)")
   assert [t.name for t in pp.reports[0].targets] == ["params/gpt/layer_0/w_in/w",
                                                      "params/gpt/layer_1/w_in/w"]
+
+
+def test_megatron_inside_an_earlier_zero_split_says_so_and_costs_more_flops():
+  """ZeRO-3 first shards each weight along its largest dimension, the one Megatron splits
+  next: nested inside the ZeRO split, the activations between the pair are not split over the
+  model axis. Megatron says so; ZeRO after Megatron shards the other dimension."""
+  from partitioner.cost import simulate
+  _, program = traced("gpt:small")
+  zero_first = P.apply(program, "batch=2,model=4",
+                       "BatchParallel(batch); ZeRO(batch, stage=3); Megatron(model)")
+  zero_last = P.apply(program, "batch=2,model=4",
+                      "BatchParallel(batch); Megatron(model); ZeRO(batch, stage=3)")
+  said = lambda pp: [n for n in pp.reports[-1 if pp is zero_first else 1].notes
+                     if "inside an earlier split over batch" in n]
+  assert said(zero_first) and "params/gpt/layer_0/w_in/w" in said(zero_first)[0]
+  assert not said(zero_last)
+  assert simulate(zero_first, "h100").flops > 1.5 * simulate(zero_last, "h100").flops
+  # Megatron over both axes nests by design (the heads split 8 ways): nothing said.
+  both = P.apply(program, "batch=2,model=4", "Megatron(batch); Megatron(model)")
+  assert not any("inside an earlier split" in n for r in both.reports for n in r.notes)
