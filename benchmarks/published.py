@@ -440,15 +440,21 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
   return "\n".join(lines) + "\n"
 
 
-MARK_START, MARK_END = "<!-- published: start -->", "<!-- published: end -->"
+def markers(name: str) -> tuple[str, str]:
+  return f"<!-- {name}: start -->", f"<!-- {name}: end -->"
 
 
-def with_section(text: str, section: str) -> str:
-  """`text` with the published section replaced, or appended where there is none."""
-  block = f"{MARK_START}\n{section}{MARK_END}\n"
-  if MARK_START in text and MARK_END in text:
-    head, rest = text.split(MARK_START, 1)
-    return head + block + rest.split(MARK_END, 1)[1].lstrip("\n")
+MARK_START, MARK_END = markers("published")
+
+
+def with_section(text: str, section: str, name: str = "published") -> str:
+  """`text` with the section between `name`'s markers replaced, or appended where there is
+  none (benchmarks/published_tpu.py keeps its own, `published-tpu`)."""
+  start, end = markers(name)
+  block = f"{start}\n{section}{end}\n"
+  if start in text and end in text:
+    head, rest = text.split(start, 1)
+    return head + block + rest.split(end, 1)[1].lstrip("\n")
   return text.rstrip("\n") + "\n\n" + block
 
 

@@ -62,6 +62,9 @@ import optax  # noqa: E402
 import partitioner as P  # noqa: E402
 from partitioner.cost import CATALOG, simulate  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import published  # noqa: E402  (its markdown section helper)
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ("AI-Hypercomputer/maxtext, MaxText/configs/v5p/README.md and the scripts beside it "
           "at 76bd53b0f (2023-12-15)")
@@ -291,16 +294,11 @@ def render(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
-MARK_START, MARK_END = "<!-- published-tpu: start -->", "<!-- published-tpu: end -->"
+SECTION = "published-tpu"   # its markers in docs/validation.md
 
 
 def with_section(text: str, section: str) -> str:
-  """`text` with the section replaced, or appended where there is none."""
-  block = f"{MARK_START}\n{section}{MARK_END}\n"
-  if MARK_START in text and MARK_END in text:
-    head, rest = text.split(MARK_START, 1)
-    return head + block + rest.split(MARK_END, 1)[1].lstrip("\n")
-  return text.rstrip("\n") + "\n\n" + block
+  return published.with_section(text, section, SECTION)
 
 
 def main(argv=None) -> int:

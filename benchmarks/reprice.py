@@ -32,6 +32,7 @@ from environments.tasks import Task, folded_program, load_program  # noqa: E402
 from partitioner.cost import Simulator, load_hardware, simulate  # noqa: E402
 from partitioner.errors import ShardzeroError  # noqa: E402
 from partitioner.mesh import Mesh  # noqa: E402
+from partitioner.tactics import ProgramRewrite, parse_schedule  # noqa: E402
 
 
 def latest_rows(path: str, min_devices: int) -> list[dict]:
@@ -72,10 +73,9 @@ def price(rows: list[dict], before: str) -> dict:
     hardware = {"after": load_hardware(r["hardware"]), "before": variant(r["hardware"], before)}
     sims = {k: Simulator(program, mesh, hw, folding=folding) for k, hw in hardware.items()}
     for schedule in schedules:
-      try:
-        pp = P.apply(program, mesh, schedule)
-        if pp.program is not program:   # cut or recomputed: priced whole, unfolded
-          pp = P.apply(load_program(r["model"]), mesh, schedule)
+      try:   # a plan that cuts or recomputes rewrites the whole step: priced unfolded
+        rewrites = any(isinstance(t, ProgramRewrite) for t in parse_schedule(schedule))
+        pp = P.apply(load_program(r["model"]) if rewrites else program, mesh, schedule)
       except ShardzeroError:
         continue
       costs = {k: s(pp) if pp.program is program else simulate(pp, hardware[k])
