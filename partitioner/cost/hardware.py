@@ -196,8 +196,9 @@ CATALOG: dict[str, Hardware] = {h.name: h for h in [
          123e12, 32, 900e9, 70e9, 1024, 6.25e9),
     _tpu("tpu-v4", "Cloud TPU v4 chip: 275 TFLOP/s bf16, 32 GiB HBM at 1.2 TB/s, 4096-chip pods",
          275e12, 32, 1228e9, 150e9, 4096, 6.25e9),
+    # DCN: 50 Gb/s per chip (Cloud TPU's v5p page, docs.cloud.google.com/tpu/docs/v5p).
     _tpu("tpu-v5p", "Cloud TPU v5p chip: 459 TFLOP/s bf16, 95 GiB HBM at 2.8 TB/s, 8960-chip pods",
-         459e12, 95, 2765e9, 300e9, 8960, 12.5e9),
+         459e12, 95, 2765e9, 300e9, 8960, 6.25e9),
     _gpu("a100-40gb", "NVIDIA A100 SXM 40 GB: 312 TFLOP/s bf16 (156 TF32), 1.6 TB/s, 8 per "
          "node with NVLink 3, 200 Gb/s InfiniBand per GPU", 312e12, 156e12, 40, 1555e9, 300e9,
          25e9, AMD_HOST),
