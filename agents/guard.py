@@ -188,8 +188,8 @@ def fit_with_microbatches(ctx, guarded: Guarded, faster_than: float | None = Non
   # Not interleaved: each try emits the pipeline again (0.6-1.6 s at Megatron-LM's sizes), where
   # a policy answers in under two seconds and interleaving gains a few percent at best.
   staged = pipelined(program, ctx.mesh, ctx.task.hardware, ctx.budget, decide, solver,
-                     base="policy", hand=hand, per_stage=per_stage, decide_each=False,
-                     virtual=())
+                     base="policy", hand=hand, per_stage=per_stage, faster_than=limit,
+                     decide_each=False, virtual=())
   if staged is not None and staged.cost.peak_memory_bytes <= ctx.budget and \
       staged.cost.step_time_s < limit:
     best = Microbatched(staged.k, staged.base, staged.pp, staged.cost)

@@ -67,9 +67,22 @@ def _with_count(schedule, m: int) -> list:
           for t in parse_schedule(schedule)]
 
 
+def floor_s(program, mesh, hardware, counts: Sequence[int], virtual: Sequence[int] = ()) -> float:
+  """No pipeline over `mesh`'s outermost axis (S stages) at `counts` micro-batches runs a step
+  in less: the step's computation on one device shared evenly by every device (a split
+  computes no less than its share: the simulator prices work, bytes and launches per kernel),
+  stretched by the smallest bubble, (M+S-1)/M at the most micro-batches M (interleaving
+  divides the bubble by its chunks). Plans faster than this leave nothing to try."""
+  from partitioner.cost import simulate
+  from partitioner.partition import PartitionedProgram
+  stages, m = mesh.size(mesh.names[0]), max(counts) * max((1, *virtual))
+  whole = simulate(PartitionedProgram(program, mesh), hardware).compute_s
+  return whole / math.prod(mesh.size(a) for a in mesh.names) * (1 + (stages - 1) / m)
+
+
 def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], object] | None,
               solver=None, *, base: str = "agent", hand: Sequence[tuple[str, str]] = (),
-              per_stage: Sequence[int] = PER_STAGE, beat=None,
+              per_stage: Sequence[int] = PER_STAGE, beat=None, faster_than: float = math.inf,
               decide_each: bool = True, virtual: Sequence[int] = VIRTUAL) -> Pipelined | None:
   """The best plan that pipelines `program` over `mesh`'s outermost axis: for each
   micro-batch count, `decide(rest)` (an `Auto` tactic over the other axes, applied with
@@ -79,8 +92,11 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
   plan hardly depends on the micro-batch's size, and an agent that must answer in seconds
   cannot decide at each. The best is then replayed interleaved with each of `virtual` chunks a
   device (where the stages divide its micro-batches and the layers divide into the chunks).
-  Only one that beats `beat` (a CostReport; None: anything) by `preference` counts. None where the program has no scanned layer stack, the mesh one axis,
-  or nothing beats `beat`."""
+  Only one that beats `beat` (a CostReport; None: anything) by `preference` counts. Where the
+  time to beat (`beat`'s where it fits, or `faster_than`, the caller's) is no more than
+  `floor_s`, nothing is tried: on Megatron-LM's 1.7B and 3.6B that is 2-3 s of a policy's
+  answer (the pipelined program traced twice, the policy run on it). None where the program
+  has no scanned layer stack, the mesh one axis, or nothing beats `beat`."""
   from partitioner.cost import simulate
   from partitioner.microbatch import batch_inputs
   from partitioner.partition import PartitionedProgram
@@ -99,6 +115,11 @@ def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], obje
   rest = "+".join(names[1:])
   chosen = None   # the tactics `decide` chose, where it decides once
   counts = microbatch_counts(n, stages, _data_size(mesh), per_stage)
+  target = min(faster_than, beat.step_time_s if beat is not None and
+               beat.peak_memory_bytes <= budget else math.inf)
+  if not counts or (target < math.inf and target <= floor_s(program, mesh, hardware, counts,
+                                                            virtual)):
+    return None
   for m in (counts if decide_each else counts[::-1]):
     tries = []
     if decide is not None:

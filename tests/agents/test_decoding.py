@@ -173,3 +173,39 @@ def test_a_line_that_ends_recomputed_is_recomputed_where_it_pays_most_walking_ba
   play_best_prefix(env, policy)
   assert [env.action_name(a) for a in env.history] == [*plan[:3], "Remat()"]
   assert env.done and env.fits and env.score() == states[3][2]
+
+
+def test_from_a_state_that_fits_no_cut_or_recomputation_scores_higher():
+  """What lets a line stop where the policy cuts or recomputes a state that fits: each ending
+  costs time (the step's loop, the weights read again per micro-batch, the forward pass run
+  twice) and the state fitted already."""
+  env = PartitioningEnv(Task("gpt:mini,batch=16", "batch=2,model=4", "h100"))
+  env.reset()
+  for text in ("", "BatchParallel(batch)", "Megatron(model)", "ZeRO(batch)"):
+    if text:
+      env.step(env.action_index(text))
+    assert env.fits
+    endings = [a for a in env.legal_actions() if ends_episode(env.action_name(a))]
+    assert len(endings) == 4          # Microbatch(2, 4, 8) and Remat()
+    for a in endings:
+      trial = env.clone()
+      trial.step(a)
+      assert trial.score() <= env.score(), (text, env.action_name(a))
+
+
+def test_a_line_stops_unpriced_where_the_policy_cuts_a_state_that_fits(monkeypatch):
+  """Pricing a cut traces the whole step again (0.8 s on Megatron-LM's 1.7B): where the state
+  fits, the line stops instead and keeps its best state."""
+  from environments.partitioning_env import TaskContext
+  env = PartitioningEnv(Task("gpt:mini,batch=16", "batch=2,model=4", "h100"))
+  env.reset()
+  rewritten = []
+  original = TaskContext._rewritten
+  monkeypatch.setattr(TaskContext, "_rewritten",
+                      lambda *a: rewritten.append(a[-1]) or original(*a))
+  moves = iter(env.action_index(t) for t in
+               ("BatchParallel(batch)", "Megatron(model)", "Microbatch(2)"))
+  play_best_prefix(env, lambda observation: next(moves))
+  assert [env.action_name(a) for a in env.history] == [
+      "BatchParallel(batch)", "Megatron(model)", "Finish"]
+  assert rewritten == []

@@ -3,6 +3,7 @@ tried, a search agent's pipelined plan replays to the cost it reports, the best 
 tried interleaved, and `propose` answers Megatron-LM's 1T (3,072 A100s, as published) with a
 pipelined plan of the shipped policy's."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 import corpus
 import partitioner as P
-from agents.pipelines import microbatch_counts, pipelined
+from agents.pipelines import floor_s, microbatch_counts, pipelined
 from partitioner.cost import simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,34 @@ def test_a_search_agent_s_pipelined_plan_replays_to_its_cost():
   env = PartitioningEnv(EvalTask("mlp:small", "stage=2,batch=4", "h100", "device").resolve())
   env.reset()
   assert pipelined_plan(parse_agent("greedy"), env) is None
+
+
+def test_no_pipeline_runs_faster_than_its_floor_and_none_is_tried_under_it(monkeypatch):
+  """Every pipelined plan of a scanned GPT, at every micro-batch count and schedule, takes at
+  least `floor_s`; a plan to beat that fits and is no slower is beaten by none, so nothing is
+  traced for it."""
+  from environments.tasks import load_program
+  from partitioner import partition
+  program = load_program("gpt:small,layers=4,scan=true,batch=32")
+  mesh = P.Mesh.parse("stage=2,batch=2,model=2")
+  hand = [("ptd-p", "Pipeline(stage); BatchParallel(batch); Megatron(model)")]
+  best = pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand)
+  assert best is not None
+  for m in microbatch_counts(32, 2, 2):
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+      plan = f"Pipeline(stage, microbatches={m}, schedule={schedule}" + \
+          (", virtual=2" if schedule == "interleaved" else "") + \
+          "); BatchParallel(batch); Megatron(model)"
+      step = simulate(P.apply(program, mesh, plan), "h100").step_time_s
+      assert step >= floor_s(program, mesh, "h100", (m,), (2,) * (schedule == "interleaved"))
+  floor = floor_s(program, mesh, "h100", microbatch_counts(32, 2, 2), (2, 3))
+  assert best.cost.step_time_s > floor
+  monkeypatch.setattr(partition.PartitionedProgram, "apply",
+                      lambda *a, **k: pytest.fail("a pipeline was traced"))
+  beat = dataclasses.replace(best.cost, step_time_s=floor)   # fits, and no slower
+  assert pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand, beat=beat) is None
+  assert pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand,
+                   faster_than=floor) is None
 
 
 def test_the_best_pipeline_is_tried_interleaved():
