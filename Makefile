@@ -72,7 +72,8 @@ CURRENT_TESTS := tests/partitioner tests/corpus tests/environments/test_partitio
 	tests/test_layering.py \
 	tests/launch/test_propose.py::test_the_shipped_policy_loads \
 	tests/launch/test_propose.py::test_the_policy_trained_on_the_pinned_stack_plays_the_same_plan_on_this_one \
-	tests/launch/test_propose.py::test_propose_without_a_policy_answers_with_the_best_plan_it_costed
+	tests/launch/test_propose.py::test_propose_without_a_policy_answers_with_the_best_plan_it_costed \
+	tests/launch/test_propose.py::test_propose_keeps_the_policy_network_compiled_for_the_next_run
 test-current: install-current
 	SHARDZERO_CORE_ONLY=1 $(CURRENT_PY) $(PYTEST) -m "not slow" $(CURRENT_TESTS)
 

@@ -39,9 +39,10 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   devices = getattr(args, "host_devices", None)
   ensure_host_devices(max(8, devices() if callable(devices) else 8))
-  from launch.runtime import relax_gc
+  from launch.runtime import compilation_cache, relax_gc
   from partitioner.errors import ShardzeroError
   relax_gc()
+  compilation_cache()
   try:
     return args.run(args) or 0
   except ShardzeroError as e:

@@ -13,6 +13,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (collectives, memory footprints, dots) is the same. Subprocesses the tests start inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Nothing kept in ~/.cache by the commands the tests run (`launch.runtime.compilation_cache`).
+os.environ.setdefault("SHARDZERO_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
 

@@ -191,3 +191,35 @@ def test_the_answer_keeps_the_memory_margin_free(capsys, tmp_path):
   assert kept["memory_budget_bytes"] == budget
   assert code == 0 and kept["answer"] != free["answer"]
   assert kept["cost"]["peak_memory_bytes"] <= 0.9 * budget
+
+
+def test_propose_keeps_the_policy_network_compiled_for_the_next_run(tmp_path):
+  """`launch.runtime.compilation_cache`: the first `propose` leaves XLA's compilations of the
+  policy network in the cache directory, the second finds them (it keeps every entry and adds
+  none for them) and answers the same."""
+  import subprocess
+  import sys
+  cache = tmp_path / "xla"
+  env = dict(os.environ, SHARDZERO_COMPILATION_CACHE=str(cache), PYTHONPATH=os.getcwd())
+  env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)   # compiled as a user's run compiles
+
+  def propose():
+    out = subprocess.run([sys.executable, "-m", "launch.cli", "propose", "gpt:mini", "--mesh",
+                          "batch=4,model=2", "--json", "-"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)["answer"], set(os.listdir(cache))
+
+  first, kept = propose()
+  assert kept
+  second, after = propose()
+  assert second == first and kept <= after
+
+
+def test_the_compilation_cache_is_off_or_jax_s_own_where_asked(monkeypatch):
+  from launch.runtime import compilation_cache
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.setenv("SHARDZERO_COMPILATION_CACHE", "off")
+  assert compilation_cache() is None
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/of/the/user")
+  assert compilation_cache() == "/somewhere/of/the/user"
