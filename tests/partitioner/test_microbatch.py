@@ -203,3 +203,22 @@ def test_flax_scanned_blocks_in_a_train_state_cut_and_verify_with_megatron():
   assert pp.program.microbatches == 2
   result = verify(pp, args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
+
+
+def test_a_rewrite_is_made_once_for_the_plans_that_share_it(monkeypatch):
+  """`partition.rewrite_kept`: the same cut of the same step under two plans is traced once;
+  the two plans share the cut program and each keeps its own shardings."""
+  from partitioner import partition
+  step, args = _mlp_step()
+  program = P.trace(step, *args)
+  traced = []
+  rewrite = P.Microbatch.rewrite
+  monkeypatch.setattr(P.Microbatch, "rewrite",
+                      lambda self, *a: traced.append(self) or rewrite(self, *a))
+  a = P.apply(program, "batch=8", "Microbatch(2); BatchParallel(batch)")
+  b = P.apply(program, "batch=8", "Microbatch(2)")
+  assert len(traced) == 1 and a.program is b.program
+  assert a.sharding(a.program.input_names[-1]) != b.sharding(b.program.input_names[-1])
+  P.apply(program, "batch=8", "Microbatch(3)")
+  assert len(traced) == 2
+  assert len(partition._rewrites) <= partition.REWRITES_KEPT
