@@ -49,31 +49,30 @@ def test_a_search_agent_s_pipelined_plan_replays_to_its_cost():
 
 
 def test_no_pipeline_runs_faster_than_its_floor_and_none_is_tried_under_it(monkeypatch):
-  """Every pipelined plan of a scanned GPT, at every micro-batch count and schedule, takes at
-  least `floor_s`; a plan to beat that fits and is no slower is beaten by none, so nothing is
-  traced for it."""
+  """A pipelined plan of a scanned GPT, under each schedule, takes at least `floor_s`; a plan
+  to beat that fits and is no slower is beaten by none, so nothing is traced for it."""
   from environments.tasks import load_program
   from partitioner import partition
   program = load_program("gpt:small,layers=4,scan=true,batch=32")
   mesh = P.Mesh.parse("stage=2,batch=2,model=2")
-  hand = [("ptd-p", "Pipeline(stage); BatchParallel(batch); Megatron(model)")]
-  best = pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand)
-  assert best is not None
-  for m in microbatch_counts(32, 2, 2):
-    for schedule in ("gpipe", "1f1b", "interleaved"):
-      plan = f"Pipeline(stage, microbatches={m}, schedule={schedule}" + \
-          (", virtual=2" if schedule == "interleaved" else "") + \
-          "); BatchParallel(batch); Megatron(model)"
-      step = simulate(P.apply(program, mesh, plan), "h100").step_time_s
-      assert step >= floor_s(program, mesh, "h100", (m,), (2,) * (schedule == "interleaved"))
-  floor = floor_s(program, mesh, "h100", microbatch_counts(32, 2, 2), (2, 3))
-  assert best.cost.step_time_s > floor
+  counts = microbatch_counts(32, 2, 2, per_stage=(4,))
+  rest = "BatchParallel(batch); Megatron(model)"
+  for schedule, virtual in (("gpipe", ()), ("1f1b", ()), ("interleaved", (2,))):
+    plan = f"Pipeline(stage, microbatches={counts[0]}, schedule={schedule}" + \
+        "".join(f", virtual={v}" for v in virtual) + f"); {rest}"
+    step = simulate(P.apply(program, mesh, plan), "h100").step_time_s
+    assert step >= floor_s(program, mesh, "h100", counts, virtual)
+  hand = [("ptd-p", f"Pipeline(stage); {rest}")]
+  best = pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand, per_stage=(4,),
+                   virtual=())
+  floor = floor_s(program, mesh, "h100", counts)
+  assert best is not None and best.cost.step_time_s > floor
   monkeypatch.setattr(partition.PartitionedProgram, "apply",
                       lambda *a, **k: pytest.fail("a pipeline was traced"))
   beat = dataclasses.replace(best.cost, step_time_s=floor)   # fits, and no slower
-  assert pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand, beat=beat) is None
-  assert pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand,
-                   faster_than=floor) is None
+  for kwargs in (dict(beat=beat), dict(faster_than=floor)):
+    assert pipelined(program, mesh, "h100", 80 * 2**30, None, hand=hand, per_stage=(4,),
+                     virtual=(), **kwargs) is None
 
 
 def test_the_best_pipeline_is_tried_interleaved():
