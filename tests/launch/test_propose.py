@@ -195,8 +195,8 @@ def test_the_answer_keeps_the_memory_margin_free(capsys, tmp_path):
 
 def test_propose_keeps_the_policy_network_compiled_for_the_next_run(tmp_path):
   """`launch.runtime.compilation_cache`: the first `propose` leaves XLA's compilations of the
-  policy network in the cache directory, the second finds them (it keeps every entry and adds
-  none for them) and answers the same."""
+  policy network in the cache directory; the second answers the same and keeps every entry
+  (what is read from the cache is not written again)."""
   import subprocess
   import sys
   cache = tmp_path / "xla"
