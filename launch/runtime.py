@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 
 YOUNG_THRESHOLD = 200_000
 CACHE_ENV = "SHARDZERO_COMPILATION_CACHE"
@@ -47,13 +48,23 @@ def compilation_cache() -> str | None:
   Megatron-LM's 39.1B, the second time), and the roles of a training run started again. In
   `$SHARDZERO_COMPILATION_CACHE`, else `$XDG_CACHE_HOME/shardzero/xla` (`~/.cache`), at most
   1 GiB (least recently used first out); `off` turns it off, and JAX's own
-  `JAX_COMPILATION_CACHE_DIR` is left to JAX. Compilations under 0.2 s are not kept. Returns the
-  directory (None: off); takes effect where the process has compiled nothing yet."""
+  `JAX_COMPILATION_CACHE_DIR` is left to JAX; a directory it cannot write turns it off with one
+  line. Compilations under 0.2 s are not kept. Returns the directory (None: off); takes effect
+  where the process has compiled nothing yet."""
   if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     return os.environ["JAX_COMPILATION_CACHE_DIR"]
   path = os.environ.get(CACHE_ENV) or os.path.join(
       os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardzero", "xla")
   if path == "off":
+    return None
+  try:
+    os.makedirs(path, exist_ok=True)
+    writable = os.access(path, os.W_OK)
+  except OSError:
+    writable = False
+  if not writable:   # JAX would warn at every compilation
+    print(f"shardzero: compilation cache off: cannot write {path} (set {CACHE_ENV} to a "
+          "directory, or to off)", file=sys.stderr)
     return None
   import jax
   jax.config.update("jax_compilation_cache_dir", path)

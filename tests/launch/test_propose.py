@@ -216,10 +216,14 @@ def test_propose_keeps_the_policy_network_compiled_for_the_next_run(tmp_path):
   assert second == first and kept <= after
 
 
-def test_the_compilation_cache_is_off_or_jax_s_own_where_asked(monkeypatch):
+def test_the_compilation_cache_is_off_or_jax_s_own_where_asked(monkeypatch, capsys, tmp_path):
   from launch.runtime import compilation_cache
   monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
   monkeypatch.setenv("SHARDZERO_COMPILATION_CACHE", "off")
   assert compilation_cache() is None
+  (tmp_path / "file").write_text("")   # a directory that cannot be made: off, said once
+  monkeypatch.setenv("SHARDZERO_COMPILATION_CACHE", str(tmp_path / "file" / "xla"))
+  assert compilation_cache() is None
+  assert capsys.readouterr().err.count("compilation cache off: cannot write") == 1
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/of/the/user")
   assert compilation_cache() == "/somewhere/of/the/user"
