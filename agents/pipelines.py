@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from corpus.experts import preference
 from partitioner.errors import ShardzeroError
+from partitioner.ir import per_program
 
 PER_STAGE = (2, 4, 8, 16)   # micro-batches per stage tried by default
 VIRTUAL = (2, 3)            # chunks a device the best 1F1B plan is tried interleaved with
@@ -73,11 +74,17 @@ def floor_s(program, mesh, hardware, counts: Sequence[int], virtual: Sequence[in
   computes no less than its share: the simulator prices work, bytes and launches per kernel),
   stretched by the smallest bubble, (M+S-1)/M at the most micro-batches M (interleaving
   divides the bubble by its chunks). Plans faster than this leave nothing to try."""
+  stages, m = mesh.size(mesh.names[0]), max(counts) * max((1, *virtual))
+  return (_whole_compute_s(program, mesh, hardware) / math.prod(mesh.size(a) for a in mesh.names)
+          * (1 + (stages - 1) / m))
+
+
+@per_program
+def _whole_compute_s(program, mesh, hardware) -> float:
+  """The step's computation unsplit, on one device (each agent's pipeline try asks again)."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
-  stages, m = mesh.size(mesh.names[0]), max(counts) * max((1, *virtual))
-  whole = simulate(PartitionedProgram(program, mesh), hardware).compute_s
-  return whole / math.prod(mesh.size(a) for a in mesh.names) * (1 + (stages - 1) / m)
+  return simulate(PartitionedProgram(program, mesh), hardware).compute_s
 
 
 def pipelined(program, mesh, hardware, budget: int, decide: Callable[[str], object] | None,
