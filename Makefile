@@ -58,7 +58,10 @@ demo: install
 # cluster or a trained run are built once): many tests wait on subprocesses, compilers or
 # rendezvous, so two workers on 2 cores take 15 minutes where one took 21.
 PYTEST := -m pytest -q -n 2 --dist loadfile
-test: install install-current
+# The two environments install side by side (pip waits on downloads and disk: 125 s here
+# where one after the other took 200).
+test:
+	$(MAKE) --no-print-directory -j2 install install-current
 	$(PY) $(PYTEST) tests
 	$(MAKE) --no-print-directory test-current
 
