@@ -3,7 +3,6 @@ SHARDZERO_CORE_ONLY (`make test-current`: current JAX, where the `train` extra c
 installed) the modules that test training are not collected."""
 
 import os
-from importlib import metadata
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "").replace(
     "--xla_force_host_platform_device_count=8", "") + " --xla_force_host_platform_device_count=8")
@@ -13,14 +12,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # assignment) are those of an optimised build, so what the tests read of the compiled program
 # (collectives, memory footprints, dots) is the same. Subprocesses the tests start inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# On current JAX, XLA:CPU's older loop emitters: its fusion emitters take 40-60 ms to compile
-# each of the small programs a model's eager initialisation runs (20 ms before), and the
-# suite's CPU time drops by a third. Only for the JAX version the Makefile installs (XLA
-# aborts on a flag it does not know). The pinned stack's one alternative, its older runtime
-# (`--xla_cpu_use_thunk_runtime=false`), saves 8% but aborts on convolutions.
-if (metadata.version("jaxlib") == "0.10.2"
-    and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
-  os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# (`make test-current` adds XLA flags of its own for current JAX: the Makefile's
+# CURRENT_XLA_FLAGS. The pinned stack's one alternative runtime,
+# `--xla_cpu_use_thunk_runtime=false`, saves 8% but aborts on convolutions.)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Nothing kept in ~/.cache by the commands the tests run (`launch.runtime.compilation_cache`).
 os.environ.setdefault("SHARDZERO_COMPILATION_CACHE", "off")
