@@ -27,7 +27,7 @@ import time
 from typing import NamedTuple
 
 from agents.decoding import TrainedPolicy, play_policy
-from agents.pipelines import PER_STAGE, pipelined
+from agents.pipelines import PER_STAGE, even_share_s, pipelined
 from agents.search.expert import ExpertPlay, evaluate_experts
 from agents.search.planning import path_to, play
 from corpus.experts import preference
@@ -258,8 +258,10 @@ def with_heads_padded(program, ctx, plans, faster_than: float,
     tactics = [t for t in parse_schedule(schedule) if not isinstance(t, Microbatch)]
     for axis in dict.fromkeys(t.axis for t in tactics if isinstance(t, Megatron)):
       try:
-        if pad_heads(program, ctx.mesh.size(axis)) is program:
-          continue
+        padded = pad_heads(program, ctx.mesh.size(axis))
+        if padded is program or even_share_s(padded, ctx.mesh,
+                                              ctx.task.hardware) >= faster_than:
+          continue   # nothing to pad, or nothing padded could beat `faster_than`
         pp = PartitionedProgram(program, ctx.mesh).apply([HeadPadding(axis)] + tactics)
       except ShardzeroError:
         continue

@@ -75,13 +75,19 @@ def floor_s(program, mesh, hardware, counts: Sequence[int], virtual: Sequence[in
   stretched by the smallest bubble, (M+S-1)/M at the most micro-batches M (interleaving
   divides the bubble by its chunks). Plans faster than this leave nothing to try."""
   stages, m = mesh.size(mesh.names[0]), max(counts) * max((1, *virtual))
-  return (_whole_compute_s(program, mesh, hardware) / math.prod(mesh.size(a) for a in mesh.names)
-          * (1 + (stages - 1) / m))
+  return even_share_s(program, mesh, hardware) * (1 + (stages - 1) / m)
+
+
+def even_share_s(program, mesh, hardware) -> float:
+  """No plan of `program` over `mesh` runs a step in less: its computation on one device shared
+  evenly by every device (a split computes no less than its share: the simulator prices work,
+  bytes and launches per kernel; cutting the batch or recomputing only adds)."""
+  return _whole_compute_s(program, mesh, hardware) / math.prod(mesh.size(a) for a in mesh.names)
 
 
 @per_program
 def _whole_compute_s(program, mesh, hardware) -> float:
-  """The step's computation unsplit, on one device (each agent's pipeline try asks again)."""
+  """The step's computation unsplit, on one device (each agent's try asks again)."""
   from partitioner.cost import simulate
   from partitioner.partition import PartitionedProgram
   return simulate(PartitionedProgram(program, mesh), hardware).compute_s

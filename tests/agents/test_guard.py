@@ -156,6 +156,37 @@ def test_megatron_plans_are_tried_again_with_their_attention_heads_padded():
   assert row["schedule"].startswith("HeadPadding(model); ") and row["fits"]
 
 
+def test_no_padded_plan_beats_its_even_share_and_none_is_tried_that_cannot(monkeypatch):
+  """Every plan of gpt:mini's heads padded over `model` (split, unsplit, cut, recomputed)
+  takes at least the padded step's computation shared by the 8 devices (`even_share_s`);
+  where the plan to beat is no slower than that, the guard and the evaluation's agents pad
+  nothing (HF Llama 1B's 32 heads over 128 nodes: 60 of the ILP's 103 s went there)."""
+  from agents.guard import with_heads_padded
+  from agents.pipelines import even_share_s
+  from environments.tasks import load_program
+  from launch.evaluation import AgentSpec, heads_padded_plan
+  from partitioner import apply, partition
+  from partitioner.cost import simulate
+  from partitioner.heads import pad_heads
+  env = PartitioningEnv(Task("gpt:mini,heads=6,d_model=768", "batch=2,model=4", "h100"),
+                        config=EnvConfig(max_steps=8))
+  env.reset()
+  ctx = env.context
+  program = load_program(ctx.task.model)
+  share = even_share_s(pad_heads(program, 4), ctx.mesh, "h100")
+  assert share > even_share_s(program, ctx.mesh, "h100")      # padding adds work
+  megatron = "BatchParallel(batch); Megatron(model)"
+  for plan in (megatron, "BatchParallel(batch); ZeRO(batch, stage=3)",
+               "Microbatch(2); " + megatron, "Remat(); " + megatron, ""):
+    step = simulate(apply(program, ctx.mesh, "HeadPadding(model); " + plan), "h100").step_time_s
+    assert step >= share, plan
+  monkeypatch.setattr(partition.PartitionedProgram, "apply",
+                      lambda *a, **k: pytest.fail("a padded program was partitioned"))
+  assert with_heads_padded(program, ctx, [("dp+megatron", megatron)], share) is None
+  for agent in ("expert", "greedy"):
+    assert heads_padded_plan(AgentSpec(agent), env, {"fits": True, "step_time_s": share}) is None
+
+
 def test_a_padded_plan_over_the_budget_is_cut_into_micro_batches():
   from agents.guard import with_heads_padded
   from environments.tasks import load_program
