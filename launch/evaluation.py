@@ -305,13 +305,13 @@ def heads_padded_plan(spec: AgentSpec, env, staged: dict | None = None,
   beats the plan `env` ended in and `staged` (a pipelined plan), as the row's schedule and
   cost; None where none does."""
   from agents.guard import with_heads_padded
+  from agents.pipelines import even_share_s
   from environments.tasks import load_program
   from launch.auto import solve
   from partitioner.cost import simulate
   from partitioner.heads import pad_heads
   from partitioner.partition import PartitionedProgram
   from partitioner.tactics import HeadPadding
-  from agents.pipelines import even_share_s
   ctx, cost = env.context, env.exact_cost
   program = load_program(ctx.task.model)
   beat = cost.step_time_s if cost.peak_memory_bytes <= ctx.budget else float("inf")
