@@ -113,6 +113,7 @@ class _Buckets(NamedTuple):
   bucket: np.ndarray      # per unit: its bucket
   size: np.ndarray        # per bucket: bytes of one launch
   repeat: np.ndarray      # per bucket: launches per step (a loop's trips, a folded layer's)
+  layer: np.ndarray       # per bucket of layers' copies: the layer of its last (-1: none)
 
 
 class _PlanArrays(NamedTuple):
@@ -281,7 +282,8 @@ class Simulator:
     buckets = (self._combine(collectives, a, ready, waits)
                if hw.combine_threshold_bytes and len(collectives) > 1 else None)
     if buckets is None:
-      exposed = self._run(ready, waits, durations.tolist(), kernels)
+      layers = None if self.folding is None else self.folding.op_weight[a.op]
+      exposed = self._run(ready, waits, durations.tolist(), kernels, layers)
     else:
       durations, exposed, buckets = self._run_combined(collectives, buckets, a, ready, waits,
                                                        kernels)
@@ -348,27 +350,30 @@ class Simulator:
     size: list[int] = []
     repeat: list[float] = []
     deadline: list[int] = []
+    last_layer: list[int] = []
     open_ = [-1] * len(keys)
     runs: list[list[int]] = [[] for _ in keys]
 
-    def place(k: int, g: int) -> None:
+    def place(k: int, g: int, layer: int = -1) -> None:
       b = open_[g] if g >= 0 else -1
       nbytes, times = collectives[k].bytes, 1.0 if layers[k] else weight[k]
       if b >= 0 and size[b] + nbytes <= threshold and ready_l[k] <= deadline[b]:
         size[b] += nbytes
         deadline[b] = min(deadline[b], waits_l[k])
+        last_layer[b] = max(last_layer[b], layer)
       else:
         b = len(size)
         size.append(nbytes), deadline.append(waits_l[k]), repeat.append(times)
+        last_layer.append(layer)
         if g >= 0:
           open_[g] = b
       members.append(k), buckets.append(b)
 
     def flush(g: int) -> None:
       run = runs[g]
-      for _ in range(layers[run[0]] if run else 0):
+      for layer in range(layers[run[0]] if run else 0):
         for k in run:
-          place(k, g)
+          place(k, g, layer)
       run.clear()
 
     # A folded block need not start where a layer does: members of the key that become ready
@@ -390,7 +395,7 @@ class Simulator:
     if len(size) == n and len(members) == n:
       return None
     return _Buckets(np.array(members), np.array(buckets), np.array(size, np.float64),
-                    np.array(repeat))
+                    np.array(repeat), np.array(last_layer))
 
   @functools.cached_property
   def _unfolded_before(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -422,7 +427,7 @@ class Simulator:
     program. A collective's time and exposed time are its share, by bytes, of those of the
     buckets its copies run in. Returns (per event: seconds, per collective: exposed seconds,
     the per-collective figures for the report)."""
-    member, bucket, size, repeat = buckets
+    member, bucket, size, repeat, last_layer = buckets
     m, n = len(size), len(collectives)
     order = np.lexsort((member, bucket))
     bounds = np.flatnonzero(np.diff(bucket[order])) + 1
@@ -444,8 +449,18 @@ class Simulator:
     np.maximum.at(e_ready, unit_event, ready[member])
     e_waits = np.full(e, _NEVER, np.int64)
     np.minimum.at(e_waits, unit_event, waits[member])
+    layers = layer = None
+    if self.folding is not None:
+      # Per event: the layers' issues of it (a bucket of layers' copies: one), and the layer of
+      # the last copy of an event of one such bucket (-1: none).
+      fold = self.folding.op_weight[a.op[lead]]
+      packed = last_layer >= 0
+      layers = np.bincount(event, np.where(packed, 1.0, fold), minlength=e)
+      layer = np.full(e, -1, np.int64)
+      alone = (np.bincount(event, minlength=e) == 1)[event] & packed
+      layer[event[alone]] = last_layer[alone]
     exposed_e = np.array(self._run(e_ready, np.maximum(e_waits, e_ready), durations.tolist(),
-                                   kernels))
+                                   kernels, layers, layer))
     nbytes = np.array([c.bytes for c in collectives], np.float64)
     share = nbytes[member] / size[bucket]
     seconds_u = one[bucket] * share
@@ -461,28 +476,56 @@ class Simulator:
                                   for b in bucket[np.unique(member, return_index=True)[1]]])
     return durations, exposed.tolist(), report
 
-  def _run(self, ready, waits, durations, kernels) -> list[float]:
+  @functools.cached_property
+  def _stretches(self) -> tuple[np.ndarray, np.ndarray]:
+    """Per place in the run order: the first place of the run of kernels standing for several
+    layers that it is in, and the place after that run's last (-1: a kernel standing for one)."""
+    folded = self._unfolded_before[0]
+    starts = folded & ~np.concatenate([[False], folded[:-1]])
+    ends = np.flatnonzero(folded & ~np.concatenate([folded[1:], [False]])) + 1
+    run = np.cumsum(starts) - 1
+    begin = np.where(folded, np.flatnonzero(starts)[np.maximum(run, 0)], -1)
+    end = np.where(folded, ends[np.maximum(run, 0)] if len(ends) else -1, -1)
+    return begin, end
+
+  def _run(self, ready, waits, durations, kernels, layers=None, layer=None) -> list[float]:
     """Per collective, the compute idle time spent while it ran.
 
     Kernels run in a fixed order (ProgramWork.order); the time at place p is the sum of the
     kernels before it plus the waits so far, so only the places where a collective is issued or
     first awaited are visited (once a kernel has waited for a collective, later readers find it
-    done)."""
+    done).
+
+    `layers` (per collective): how many layers' issues of it a folded layer's stands for, and
+    `layer`: the layer whose issue it is, for a bucket of layers' copies (-1: none); those the
+    deep program makes a layer apart are issued as it does (`_spread`)."""
     n = len(durations)
     exposed = [0.0] * n
     if not n:
       return exposed
     if not self.hardware.overlap_collectives:  # run in line
       return list(durations)
+    before = np.concatenate([[0.0], np.cumsum(kernels)])     # compute before place p
+    durations = np.asarray(durations, np.float64)
+    at = before[ready]
+    spread, wraps = None, {}
+    if layers is not None and self.folding is not None:
+      spread = self._spread(ready, waits, durations, layers, at, before,
+                            np.full(n, -1) if layer is None else layer)
+      if spread is not None:
+        durations, at, ready, waits, owners, wraps = spread
+    m = len(durations)
+    durations = durations.tolist()
     awaited = np.nonzero(waits < _NEVER)[0]
     places = np.concatenate([ready, waits[awaited]])
-    what = np.concatenate([np.zeros(n, np.int64), np.ones(len(awaited), np.int64)])
-    which = np.concatenate([np.arange(n), awaited])
-    order = np.lexsort((which, what, places))
-    before = np.concatenate([[0.0], np.cumsum(kernels)]).tolist()  # compute before place p
+    times = np.concatenate([at, before[waits[awaited]]])
+    what = np.concatenate([np.zeros(m, np.int64), np.ones(len(awaited), np.int64)])
+    which = np.concatenate([np.arange(m), awaited])
+    order = np.lexsort((which, what, places, times))
     offset = network = 0.0
-    done = [0.0] * n
-    issued, rank = [], [0] * n
+    done = [0.0] * m
+    exposed = [0.0] * m
+    issued, rank = [], [0] * m
 
     def wait(k, now):
       """The network is busy from now until k is done: charge the wait to the collectives that
@@ -494,19 +537,106 @@ class Simulator:
         j -= 1
       return done[k] - now
 
-    for position, awaits, k in zip(places[order].tolist(), what[order].tolist(),
-                                   which[order].tolist()):
-      now = before[position] + offset
+    for time, awaits, k in zip(times[order].tolist(), what[order].tolist(),
+                               which[order].tolist()):
+      now = time + offset
       if not awaits:
+        if k in wraps:   # a wrapped part takes what the run's start leaves of its room
+          owners_k, shares, room = wraps[k]
+          back = durations[k] - max(room - max(network - now, 0.0), 0.0)
+          if back > 0:
+            for o, share in zip(owners_k.tolist(), shares.tolist()):
+              durations[o] += back * share
+            durations[k] -= back
         network = done[k] = max(network, now) + durations[k]
         rank[k] = len(issued)
         issued.append(k)
       elif done[k] > now:
         offset += wait(k, now)
-    end = before[-1] + offset
+    end = float(before[-1]) + offset
     if issued and done[issued[-1]] > end:   # collectives whose results only the outputs need
       wait(issued[-1], end)
-    return exposed
+    if spread is None:
+      return exposed
+    owner, event, share = owners
+    out = np.array(exposed[:n])
+    np.add.at(out, owner, np.asarray(exposed)[event] * share)
+    return out.tolist()
+
+  def _spread(self, ready, waits, durations, layers, at, before, layer):
+    """Where the deep program issues the copies of a folded layer's collective that is made
+    in a run of folded kernels and awaited after it (gradients reduced for the optimizer).
+
+    The folded run is one layer slowed down: its collective is issued where one layer issues
+    it and lasts as long as every layer's copy, so what it has left on the network when the
+    run ends is every layer's tail, where the deep program leaves the last layer's:
+    - in a run that awaits no collective of its own (a plain backward pass), the copies of
+      the layers before the last are issued where the first layer makes it and the last
+      layer's where the last layer does, so that the network carries over the run's end what
+      it carries in the deep program: the last layer's copy, or the backlog where it is
+      behind. A bucket of several layers' copies (`_combine`) is issued where its last
+      layer makes them;
+    - in a run that awaits collectives too (Megatron's, parameters gathered layer by layer),
+      their order on the network decides, so the collective is issued where the folded layer
+      issues it; where none of the run's awaited collectives is issued after it, what would
+      run past the run's end is issued at its start instead (beside the next layer, as in the
+      deep program), as far as the network time the run leaves takes it.
+    Returns the events (durations, issue times, ready and awaited places); per share of an
+    added event, the collective it is part of, the event and the share; and per wrapped part:
+    the collectives it was cut from, their shares and the run's room (what the network is
+    behind at the run's start takes from it, `_run`). None where nothing spreads."""
+    begin, end = self._stretches
+    made = np.maximum(ready - 1, 0)
+    k = np.flatnonzero(((layers > 1) | (layer >= 0)) & (ready > 0) & (begin[made] >= 0) &
+                       (waits >= end[made]) &
+                       np.array(self._read_after_block(ready, waits), bool))
+    if not len(k):
+      return None
+    runs, run = np.unique(begin[made[k]], return_inverse=True)
+    start, stop = before[runs], before[end[runs]]
+    issued = np.searchsorted(start, at, side="right") - 1      # the run each one is issued in
+    inside = (issued >= 0) & (at < stop[np.maximum(issued, 0)])
+    busy = np.bincount(issued[inside], durations[inside], minlength=len(runs))
+    within = inside & (waits < end[runs][np.maximum(issued, 0)])   # awaited in the run
+    awaits = (np.bincount(issued[within], minlength=len(runs)) > 0)[run]
+    durations, at = durations.copy(), at.copy()
+    # Awaiting: as the folded layer issues it, and what would run past the run's end at its
+    # start, as far as the network time the run leaves (`room`) takes it.
+    synced = np.full(len(runs), -np.inf)       # the last issue in the run awaited in it
+    np.maximum.at(synced, issued[within], at[within])
+    m = k[awaits & (at[k] > synced[run]) & (layer[k] < 0)]
+    r = np.searchsorted(runs, begin[made[m]])
+    room = np.maximum(stop - start - busy, 0.0)
+    spill = np.maximum(at[m] + durations[m] - stop[r], 0.0)
+    wrapped = spill * np.minimum(1.0, room[r] / np.maximum(
+        np.bincount(r, spill, minlength=len(runs))[r], 1e-30))
+    m, r, wrapped = m[wrapped > 0], r[wrapped > 0], wrapped[wrapped > 0]
+    durations[m] -= wrapped
+    into, w = np.unique(r, return_inverse=True)       # one wrapped part per run
+    wrap = np.bincount(w, wrapped)
+    first_wait = np.full(len(into), _NEVER, np.int64)
+    np.minimum.at(first_wait, w, waits[m])
+    # Awaiting none: the earlier layers' copies where the first layer makes it, the last
+    # layer's where the last layer does; a bucket of layers' copies where its last layer is.
+    one = ~awaits & (layer[k] >= 0)
+    b, r3 = k[one], run[one]
+    period = (stop - start)[r3] / (self.folding.depth - 2)
+    at[b] = start[r3] + (layer[b] + (at[b] - start[r3]) / (stop - start)[r3]) * period
+    a, r2 = k[~awaits & ~one], run[~awaits & ~one]
+    early = durations[a] * (1 - 1 / layers[a])
+    t = at[a]
+    durations[a] -= early
+    at[a] = stop[r2] - (stop[r2] - t) / layers[a]
+    n = len(durations)
+    event = n + w
+    share = wrapped / wrap[w]
+    wraps = {n + i: (m[w == i], share[w == i], room[into[i]]) for i in range(len(into))}
+    return (np.concatenate([durations, wrap, early]),
+            np.concatenate([at, start[into], start[r2] + (t - start[r2]) / layers[a]]),
+            np.concatenate([ready, runs[into], ready[a]]),
+            np.concatenate([waits, first_wait, waits[a]]),
+            (np.concatenate([m, a]), np.concatenate([event, n + len(into) + np.arange(len(a))]),
+             np.concatenate([share, np.ones(len(a))])), wraps)
 
 
 @per_program
