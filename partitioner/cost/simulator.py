@@ -500,9 +500,8 @@ class Simulator:
     `layer`: the layer whose issue it is, for a bucket of layers' copies (-1: none); those the
     deep program makes a layer apart are issued as it does (`_spread`)."""
     n = len(durations)
-    exposed = [0.0] * n
     if not n:
-      return exposed
+      return []
     if not self.hardware.overlap_collectives:  # run in line
       return list(durations)
     before = np.concatenate([[0.0], np.cumsum(kernels)])     # compute before place p

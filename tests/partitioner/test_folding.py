@@ -127,7 +127,7 @@ def test_a_folded_layers_gradient_reductions_leave_the_deep_programs_backlog(mod
   every layer's copy; the deep program issues one copy a layer, and where the network keeps
   up only the last layer's is left when the backward pass ends (`Simulator._spread`). On HF
   OPT 1.3B at 64 H100s the folded data-parallel steps were 2.5-4.8% slower than the deep
-  program's when every copy was left there (1.7-15.6% with the combiner); on BLOOM 560M at
+  program's when every copy was left there (1.3-15.6% with the combiner); on BLOOM 560M at
   256 a bucket of several layers' gradients ran where the folded layer ends, not where its
   last layer does (5.6-13.3% with the combiner); on Llama 1B at 1,024 a reduction that a
   layer's own awaited collective queues behind stays where it is."""
