@@ -215,14 +215,16 @@ def best(results: Sequence[ExpertResult]) -> ExpertResult | None:
 def evaluate_experts(family: str | None, axes: Sequence[str], cost: Callable[[str], Any], *,
                      budget: int, strategies: Sequence[str] | None = None,
                      progress: Callable[[str], None] | None = None,
-                     model_axes: Sequence[str] | None = None) -> list[ExpertResult]:
+                     model_axes: Sequence[str] | None = None,
+                     extra: dict[str, str] | None = None) -> list[ExpertResult]:
   """Every expert strategy of `family` (the generic ones for None) for a mesh with `axes`
-  (`experts`, with `model_axes`), costed by `cost(schedule)` (a `CostReport`; a
-  `ShardzeroError` where the strategy does not apply, kept with the reason) and checked
-  against `budget` bytes per device. `progress(name)` is called before each."""
+  (`experts`, with `model_axes`), and the named schedules of `extra` after them, costed by
+  `cost(schedule)` (a `CostReport`; a `ShardzeroError` where the strategy does not apply,
+  kept with the reason) and checked against `budget` bytes per device. `progress(name)` is
+  called before each."""
   from partitioner.errors import ShardzeroError
   out = []
-  for name, schedule in experts(family, axes, model_axes).items():
+  for name, schedule in {**experts(family, axes, model_axes), **(extra or {})}.items():
     if strategies is not None and name not in strategies:
       continue
     if progress:
