@@ -79,19 +79,21 @@ def stack_schedules(ctx, model_axes=()) -> dict[str, str]:
   out = {}
   for model in dict.fromkeys((axes[-1], *(a for a in model_axes if a in axes))):
     n = ctx.mesh.sizes[model]
+    if n == 1:
+      continue
     tiles = []
     for p in ctx.points:
       layer = stacked.get(p.members[0])
       if p.role != "param" or (layer is None and not (len(p.members) > 1 and "*" in p.pattern)):
         continue
       dims = [d for d in range(len(p.shape)) if d != layer]
-      fits = [d for d in dims if p.shape[d] % n == 0]
-      if len(dims) < 2 or not fits:
+      divide = [d for d in dims if p.shape[d] % n == 0]
+      if len(dims) < 2 or not divide:   # a vector (a norm's scale, a bias) stays whole
         continue
-      tile = str(Tile(p.pattern, max(fits, key=lambda d: (p.shape[d], -d)), model))
+      tile = str(Tile(p.pattern, max(divide, key=lambda d: (p.shape[d], -d)), model))
       if tile in ctx.index:
         tiles.append(tile)
-    if tiles and n > 1:
+    if tiles:
       name = "zero3-stack" if model == axes[-1] else f"zero3-stack[{model}]"
       data = [a for a in axes if a != model]
       out[name] = "; ".join([f"BatchParallel({a})" for a in (*data, model)] + sorted(tiles))
