@@ -391,7 +391,9 @@ def render(rows: list[dict], hardware: str, collectives: list[dict] = ()) -> str
         "(`policy+guard:RUN`: greedy decoding checked against the hand schedules, then "
         "micro-batches and pipelines at 8 micro-batches a stage with the policy deciding the "
         "other axes; `python benchmarks/published.py "
-        "--policy policies/default`). Decision time on the machine that ran it (2 cores).",
+        "--policy policies/default`). Decision time on the machine that ran it (2 cores, "
+        "nothing else running; the rows run in order in one process, so the first pipelined "
+        "row also compiles the policy's network for the pipelined program's size).",
         "",
         "| model | GPUs | policy plan | policy: predicted s, TFLOP/s, peak | policy / ILP | "
         "policy / published plan | decided in s |",
@@ -454,7 +456,8 @@ def with_section(text: str, section: str, name: str = "published") -> str:
   block = f"{start}\n{section}{end}\n"
   if start in text and end in text:
     head, rest = text.split(start, 1)
-    return head + block + rest.split(end, 1)[1].lstrip("\n")
+    tail = rest.split(end, 1)[1].lstrip("\n")
+    return head + block + ("\n" + tail if tail else "")
   return text.rstrip("\n") + "\n\n" + block
 
 

@@ -8,7 +8,10 @@ patch convolution. Each family's `style` knob spells the same step three ways:
 (`train_step(state, batch)` with a Flax `TrainState` whose step count is a Python int and whose
 `apply_fn`/`tx` are static fields). `dtype=bfloat16` keeps parameters and activations in bf16;
 with `param_dtype=float32` too, the parameters and optimizer state stay f32 (master weights)
-and the models compute in bf16.
+and the models compute in bf16. HF writes every layer stack as a Python loop over blocks (one
+set of parameters per layer); `hf_gpt2`'s `stack=scan` runs HF's own `FlaxGPT2Block` under
+Flax's `nn.scan` instead (parameters stacked by layer), as a user who wants a pipeline rewrites
+the stack.
 
 Presets: `small` (tiny, for tests), `mini` (two layers at published widths) and the published
 sizes: hf_gpt2 `124m`/`355m`, hf_bert `base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base),
@@ -30,6 +33,7 @@ import optax
 from partitioner.errors import WorkloadError
 
 STYLES = ("named", "short", "train_state")
+STACKS = ("unrolled", "scan")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -48,6 +52,7 @@ class HFConfig:
   kv_heads: int = 0        # key/value heads of grouped-query attention (0: as many as heads)
   head_dim: int = 0        # Gemma: per-head width (0: d_model / heads)
   style: str = "named"
+  stack: str = "unrolled"      # "scan": the blocks under nn.scan (hf_gpt2)
   dtype: str = "float32"       # activations (the models' computation dtype)
   param_dtype: str = ""        # parameters and optimizer state ("": dtype; float32: master)
   lr: float = 1e-3
@@ -135,6 +140,8 @@ GEMMA_PRESETS = _presets(
 def _check(config: HFConfig) -> None:
   if config.style not in STYLES:
     raise WorkloadError(f"style must be one of {', '.join(STYLES)}, got {config.style!r}")
+  if config.stack not in STACKS:
+    raise WorkloadError(f"stack must be one of {', '.join(STACKS)}, got {config.stack!r}")
   for knob, allowed in (("dtype", DTYPES), ("param_dtype", ("",) + DTYPES)):
     if getattr(config, knob) not in allowed:
       raise WorkloadError(f"{knob} must be float32 or bfloat16, got {getattr(config, knob)!r}")
@@ -193,7 +200,63 @@ def _gpt2(c: HFConfig, dtype):
   cfg = GPT2Config(vocab_size=c.vocab, n_positions=c.seq, n_embd=c.d_model, n_layer=c.layers,
                    n_head=c.heads, n_inner=c.ffn, resid_pdrop=0.0, embd_pdrop=0.0,
                    attn_pdrop=0.0)
-  return _causal(FlaxGPT2LMHeadModel(cfg, dtype=dtype, _do_init=False), c)
+  model_class = _scanned_gpt2() if c.stack == "scan" else FlaxGPT2LMHeadModel
+  return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
+
+
+@functools.cache
+def _scanned_gpt2():
+  """HF's FlaxGPT2LMHeadModel whose block collection is one `FlaxGPT2Block` under `nn.scan`
+  (parameters `[layers, ...]` under `h/layers/block`); everything else is HF's."""
+  import flax.linen as nn
+  from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
+
+  class Layer(nn.Module):
+    config: object
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, hidden_states, attention_mask):
+      block = gpt2.FlaxGPT2Block(self.config, dtype=self.dtype, name="block")
+      return block(hidden_states, attention_mask)[0], None
+
+  class Blocks(nn.Module):
+    config: object
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, hidden_states, attention_mask=None, *args, output_hidden_states=False,
+                 output_attentions=False, **kwargs):
+      if output_hidden_states or output_attentions:
+        raise WorkloadError("a scanned GPT-2 stack returns neither hidden states nor attentions")
+      stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=nn.broadcast, length=self.config.num_hidden_layers)
+      hidden_states, _ = stack(self.config, self.dtype, name="layers")(hidden_states,
+                                                                      attention_mask)
+      return hidden_states, None, None, None
+
+  # HF's two setups, with the blocks above in place of FlaxGPT2BlockCollection.
+  class Module(gpt2.FlaxGPT2Module):
+    def setup(self):
+      c, init = self.config, jax.nn.initializers.normal(stddev=self.config.initializer_range)
+      self.embed_dim = c.hidden_size
+      self.wte = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, dtype=self.dtype)
+      self.wpe = nn.Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
+                          dtype=self.dtype)
+      self.dropout = nn.Dropout(rate=c.embd_pdrop)
+      self.h = Blocks(c, dtype=self.dtype)
+      self.ln_f = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=self.dtype)
+
+  class LMHead(gpt2.FlaxGPT2LMHeadModule):
+    def setup(self):
+      self.transformer = Module(self.config, dtype=self.dtype)
+      self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype,
+                              kernel_init=jax.nn.initializers.normal(
+                                  stddev=self.config.initializer_range))
+
+  class Model(gpt2.FlaxGPT2LMHeadModel):
+    module_class = LMHead
+  return Model
 
 
 def _bert(c: HFConfig, dtype):

@@ -25,7 +25,7 @@ from partitioner.factors import REDUCE_OF_KIND, join_dim
 from partitioner.ir import SCAN_EXIT, per_program
 from partitioner.partial_sums import NOTHING_HELD, Held, defer
 from partitioner.propagation import ShardingState, priority_order
-from partitioner.roles import forward_ops
+from partitioner.roles import loss_ops
 from partitioner.sharding import Dims, Sharding
 
 
@@ -196,7 +196,7 @@ def make_plan(state: ShardingState, base: Plan | None = None, deferral: bool = T
   copy_of: dict = {}
   staged: list[Staged] = []
   made: dict = {}           # (value, layout, in forward pass, loop it is made in) -> copy
-  forward = forward_ops(program)
+  forward = loss_ops(program)
   region_of = program.region_of if program.regions else None
   values = program.values
   writes_of = memo.get("writes")   # per op: (its plan, the collectives and staged results)

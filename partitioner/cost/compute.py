@@ -128,7 +128,7 @@ def _run_order(program: Program) -> list[int]:
   n = len(ops)
   region = program.region_of if program.regions else np.full(n, -1)
   roles = R.roles(program)
-  forward = R.forward_ops(program)
+  forward = R.loss_ops(program)
   state_out = {o for i, o in enumerate(program.outputs) if i in program.aliases}
   downstream = R.depends_on(program, tuple(roles.opt_state))
   tail = [op.index not in forward and region[op.index] < 0 and (

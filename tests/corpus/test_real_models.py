@@ -12,6 +12,7 @@ import corpus
 import partitioner as P
 from corpus.workload import parameter_count
 from partitioner.cost import CATALOG, simulate
+from partitioner.errors import WorkloadError
 from partitioner.verify import verify
 
 pytestmark = pytest.mark.slow   # HuggingFace models compiled under several strategies
@@ -129,3 +130,35 @@ def test_gpt2_dp_megatron_collectives_match_xla(traced):
   assert {r.kind for r in rows} == {"all-reduce"}   # the fused kernel split: nothing gathered
   for r in rows:
     assert r.ratio == pytest.approx(1.0, abs=0.1), rows
+
+
+def _restacked(tree, layers: int):
+  """HF GPT-2's parameters (or optimizer state) in `stack=scan`'s structure: the blocks
+  `h/0 .. h/L-1` stacked by layer under `h/layers/block`."""
+  import jax.numpy as jnp
+  if hasattr(tree, "keys"):
+    tree = dict(tree)
+    if set(tree) == {str(i) for i in range(layers)}:
+      blocks = [_restacked(tree[str(i)], layers) for i in range(layers)]
+      return {"layers": {"block": jax.tree_util.tree_map(lambda *a: jnp.stack(a), *blocks)}}
+    return {k: _restacked(v, layers) for k, v in tree.items()}
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    return type(tree)(*(_restacked(v, layers) for v in tree))
+  if isinstance(tree, (tuple, list)):
+    return type(tree)(_restacked(v, layers) for v in tree)
+  return tree
+
+
+def test_gpt2_blocks_under_nn_scan_are_hf_s_own_step():
+  """`stack=scan` runs HF's FlaxGPT2Block under nn.scan: on the same weights (stacked) the
+  training step computes what HF's unrolled model does, loss and updated state."""
+  unrolled = corpus.load("hf_gpt2:small,layers=3")
+  scanned = corpus.load("hf_gpt2:small,layers=3,stack=scan")
+  args = _restacked(unrolled.args, 3)
+  assert jax.tree_util.tree_structure(args) == jax.tree_util.tree_structure(scanned.args)
+  got = jax.jit(scanned.fn)(*args)
+  want = _restacked(jax.jit(unrolled.fn)(*unrolled.args), 3)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+  with pytest.raises(WorkloadError, match="stack must be one of unrolled, scan"):
+    corpus.load("hf_gpt2:small,stack=loop")
