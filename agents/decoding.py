@@ -46,7 +46,8 @@ def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> No
   whole step again (0.8 s on Megatron-LM's 1.7B). Where that state is over the memory
   budget, or is one the line rewrote to fit (it ends cut into micro-batches or recomputed),
   it and the states before it are rewritten the policy's way (`_cut_back`; not without
-  `cut`): the policy proposes, the simulator says which of its proposals stands."""
+  `cut`); then a move of the line is dropped wherever the line scores higher without it
+  (`_pruned`): the policy proposes, the simulator says which of its proposals stands."""
   if env.done:
     return
   start, line = len(env.history), env.clone()
@@ -64,10 +65,32 @@ def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> No
   rewritten = bool(moves) and ends_episode(env.action_name(moves[-1]))
   if cut and (rewritten or not _after(env, moves).fits):
     moves = _cut_back(env, moves, choose)
+  moves = _pruned(env, moves)
   for a in moves:
     env.step(a)
   if not env.done:
     env.step(env.finish_action)
+
+
+def _pruned(env, moves: list[int]) -> list[int]:
+  """`moves` without each move (the last first) whose line scores higher without it: a move
+  that saves memory the plan did not need, or that a later move made needless. A policy's line
+  on HF Llama 7B at 64 H100s, ZeRO-3 over the batch axis across nodes and then over the
+  node's model axis, recomputed, is 2.24 s; without the first ZeRO it fits at 1.39 s (the plan
+  the shipped policy plays). The simulator, not the policy, says which moves stand: a
+  simulation per line tried, under 0.5 s on the 7B tasks (the states are cached)."""
+  score = _after(env, moves).score() if moves else env.score()
+  for i in reversed(range(len(moves))):
+    rest = moves[:i] + moves[i + 1:]
+    trial = env.clone()
+    for a in rest:
+      if trial.done or a not in trial.legal_actions():
+        break
+      trial.step(a)
+    else:
+      if trial.score() > score + 1e-12:
+        moves, score = rest, trial.score()
+  return moves
 
 
 def _after(env, moves):

@@ -22,7 +22,7 @@ from partitioner.errors import ShardzeroError
 
 # Bump an agent's version when what it decides changes: its stored results are then redone.
 AGENT_VERSIONS = {"expert": 11, "random": 2, "greedy": 5, "beam": 5, "mcts": 5, "ilp": 11,
-                  "policy": 6, "policy+mcts": 6, "policy+guard": 12, "policy+mcts+guard": 12}
+                  "policy": 7, "policy+mcts": 7, "policy+guard": 13, "policy+mcts+guard": 13}
 DEFAULT_NUMBER = {"mcts": 100, "ilp": 60, "policy+mcts": 16, "policy+mcts+guard": 16,
                   "beam": 200}
 WITHIN = 1.10       # "within 10% of the best known"
