@@ -47,7 +47,7 @@ def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> No
   budget, or is one the line rewrote to fit (it ends cut into micro-batches or recomputed),
   it and the states before it are rewritten the policy's way (`_cut_back`; not without
   `cut`); then a move of the line is dropped wherever the line scores higher without it
-  (`_pruned`): the policy proposes, the simulator says which of its proposals stands."""
+  (`pruned`): the policy proposes, the simulator says which of its proposals stands."""
   if env.done:
     return
   start, line = len(env.history), env.clone()
@@ -65,32 +65,38 @@ def play_best_prefix(env, choose: Callable[[dict], int], cut: bool = True) -> No
   rewritten = bool(moves) and ends_episode(env.action_name(moves[-1]))
   if cut and (rewritten or not _after(env, moves).fits):
     moves = _cut_back(env, moves, choose)
-  moves = _pruned(env, moves)
+  moves, _ = pruned(env, moves, score_of(env, moves))
   for a in moves:
     env.step(a)
   if not env.done:
     env.step(env.finish_action)
 
 
-def _pruned(env, moves: list[int]) -> list[int]:
-  """`moves` without each move (the last first) whose line scores higher without it: a move
-  that saves memory the plan did not need, or that a later move made needless. A policy's line
-  on HF Llama 7B at 64 H100s, ZeRO-3 over the batch axis across nodes and then over the
-  node's model axis, recomputed, is 2.24 s; without the first ZeRO it fits at 1.39 s (the plan
-  the shipped policy plays). The simulator, not the policy, says which moves stand: a
-  simulation per line tried, under 0.5 s on the 7B tasks (the states are cached)."""
-  score = _after(env, moves).score() if moves else env.score()
+def score_of(env, moves) -> float | None:
+  """env.score() after `moves` from `env`'s state in a clone; None where one is not legal."""
+  trial = env.clone()
+  for a in moves:
+    if trial.done or a not in trial.legal_actions():
+      return None
+    trial.step(a)
+  return trial.score()
+
+
+def pruned(env, moves: list[int], score: float, tolerance: float = -1e-12):
+  """(`moves` without each move, the last first, whose line without it scores at least
+  `score - tolerance`, and the line's score). By default only a move the line scores higher
+  without goes: one that saves memory the plan did not need, or that a later move made
+  needless (a policy's line on HF Llama 7B at 64 H100s, ZeRO-3 over the batch axis across
+  nodes and then over the node's model axis, recomputed, is 2.24 s; without the first ZeRO it
+  fits at 1.39 s, the plan the shipped policy plays). Demonstrations drop moves worth less
+  than a tolerance too. A simulation per line tried (states are cached): under 0.5 s on the
+  7B tasks."""
   for i in reversed(range(len(moves))):
     rest = moves[:i] + moves[i + 1:]
-    trial = env.clone()
-    for a in rest:
-      if trial.done or a not in trial.legal_actions():
-        break
-      trial.step(a)
-    else:
-      if trial.score() > score + 1e-12:
-        moves, score = rest, trial.score()
-  return moves
+    without = score_of(env, rest)
+    if without is not None and without >= score - tolerance:
+      moves, score = rest, max(score, without)
+  return moves, score
 
 
 def _after(env, moves):

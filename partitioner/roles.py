@@ -55,26 +55,13 @@ def _is_key(v) -> bool:
           v.dtype.kind == "V" and not jnp.issubdtype(v.dtype, jnp.floating))
 
 
-def ancestors(program: Program, targets) -> set[int]:
-  """Values the `targets` are computed from (themselves included)."""
-  seen, stack = set(targets), list(targets)
-  while stack:
-    p = program.values[stack.pop()].producer
-    if p is None:
-      continue
-    for v in program.ops[p].inputs:
-      if v not in seen:
-        seen.add(v)
-        stack.append(v)
-  return seen
-
-
-def carried_ancestors(program: Program, targets) -> set[int]:
-  """`ancestors`, seen through loops carry by carry: a loop's final carry is computed from
-  what its body makes of that carry, a body's carry from its initial value and from what the
-  body makes of it, a stacked output from its per-iteration value; not from every value the
-  loop carries. Where one loop runs the forward and backward passes of several micro-batches
-  (a 1F1B pipeline), the loss depends on the forward work alone."""
+def ancestors(program: Program, targets, by_carry: bool = False) -> set[int]:
+  """Values the `targets` are computed from (themselves included). With `by_carry`, loops are
+  seen through carry by carry: a loop's final carry is computed from what its body makes of
+  that carry, a body's carry from its initial value and from what the body makes of it, a
+  stacked output from its per-iteration value; not from every value the loop carries. Where
+  one loop runs the forward and backward passes of several micro-batches (a 1F1B pipeline),
+  the loss then depends on the forward work alone."""
   seen, stack = set(targets), list(targets)
   ops, values = program.ops, program.values
   while stack:
@@ -83,15 +70,12 @@ def carried_ancestors(program: Program, targets) -> set[int]:
     if p is None:
       continue
     op = ops[p]
-    if op.name in ("scan_enter", "scan_exit"):
-      k, nc = op.outputs.index(v), op.params["num_carry"]
-      if op.name == "scan_exit":
-        reads = [op.inputs[k]]
-      else:
-        exit_ = program.regions[program.region_starts[p]].exit
-        reads = [op.inputs[k]] + ([ops[exit_].inputs[k]] if k < nc else [])
-    else:
-      reads = op.inputs
+    reads = op.inputs
+    if by_carry and op.name in ("scan_enter", "scan_exit"):
+      k = op.outputs.index(v)
+      reads = [op.inputs[k]]
+      if op.name == "scan_enter" and k < op.params["num_carry"]:
+        reads.append(ops[program.regions[program.region_starts[p]].exit].inputs[k])
     for u in reads:
       if u not in seen:
         seen.add(u)
@@ -189,10 +173,10 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
 @per_program
 def forward_ops(program: Program) -> frozenset[int]:
   """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on, through
-  loops carry by carry (`carried_ancestors`). A step that returns only its new state has no
+  loops carry by carry (`ancestors(..., by_carry=True)`). A step that returns only its new state has no
   loss to follow: there, everything but what the gradient's seed starts (`backward_ops`);
   every op where no seed is found."""
-  return _loss_ops(program, carried_ancestors)
+  return _loss_ops(program, by_carry=True)
 
 
 @per_program
@@ -203,10 +187,10 @@ def loss_ops(program: Program) -> frozenset[int]:
   pipelined plans with ZeRO, moving them to `forward_ops` moves predicted steps and peaks by
   up to 5% either way (gpt:350m,scan=true on pipe=4,data=16), a change of the cost model to be
   measured before it is made."""
-  return _loss_ops(program, ancestors)
+  return _loss_ops(program, by_carry=False)
 
 
-def _loss_ops(program: Program, ancestors_of) -> frozenset[int]:
+def _loss_ops(program: Program, by_carry: bool) -> frozenset[int]:
   everything = frozenset(range(len(program.ops)))
   if not program.aliases:
     return everything
@@ -214,7 +198,7 @@ def _loss_ops(program: Program, ancestors_of) -> frozenset[int]:
   if not targets:
     backward = backward_ops(program)
     return everything - backward if backward else everything
-  return frozenset(p for v in ancestors_of(program, targets)
+  return frozenset(p for v in ancestors(program, targets, by_carry)
                    if (p := program.values[v].producer) is not None)
 
 

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import jax
 import numpy as np
 
+from agents.decoding import pruned
 from environments.actions import ends_episode
 from partitioner.errors import ShardzeroError
 
@@ -36,28 +37,6 @@ def _best_expert(env) -> tuple[list[int], float]:
 PRUNE_TOLERANCE = 2e-3   # a searched move worth less than this share of the step is dropped
 
 
-def _score_of(env, moves) -> float | None:
-  """env.score() after `moves` from `env`'s state in a clone; None where one is not legal."""
-  trial = env.clone()
-  for a in moves:
-    if trial.done or a not in trial.legal_actions():
-      return None
-    trial.step(a)
-  return trial.score()
-
-
-def _pruned(env, moves: list[int], score: float) -> tuple[list[int], float]:
-  """`moves` without those that gain less than PRUNE_TOLERANCE: search keeps any move that
-  helps at all, and a Tile of one value that saves a few bytes, named after one model's
-  values, teaches a policy nothing that carries over."""
-  for i in reversed(range(len(moves))):
-    rest = moves[:i] + moves[i + 1:]
-    without = _score_of(env, rest)
-    if without is not None and without >= score - PRUNE_TOLERANCE:
-      moves, score = rest, max(score, without)
-  return moves, score
-
-
 def demonstration_moves(env, simulations: int = 0) -> list[int]:
   """The best known strategy's actions from `env`'s current state, then finish: the best
   expert's, or a plain MCTS plan of `simulations` (0: none, pruned of moves that barely help)
@@ -68,8 +47,11 @@ def demonstration_moves(env, simulations: int = 0) -> list[int]:
     from agents.search.mcts import MCTSActor
     plan = MCTSActor(env, budget=simulations).plan(env.clone())
     if plan.score > score + 1e-12:
-      moves, score = _pruned(env, [a for a in plan.actions if a != env.finish_action],
-                             plan.score)
+      # Pruned of moves that gain less than PRUNE_TOLERANCE: search keeps any move that helps
+      # at all, and a Tile of one value that saves a few bytes, named after one model's
+      # values, teaches a policy nothing that carries over.
+      moves, score = pruned(env, [a for a in plan.actions if a != env.finish_action],
+                            plan.score, PRUNE_TOLERANCE)
   if not moves or score <= env.score():
     return []
   cut = ends_episode(env.action_name(moves[-1]))   # it ends the episode itself

@@ -29,7 +29,7 @@ def test_the_line_is_kept_up_to_its_best_state_not_its_first_loss():
   play_best_prefix(env, _scripted(env))
   assert env.done
   # The best prefix is the first two moves; data parallelism is then dropped, as Megatron
-  # alone scores higher still on this task (`_pruned`).
+  # alone scores higher still on this task (`pruned`).
   assert [env.action_name(a) for a in env.history] == [LINE[1], "Finish"]
   assert env.score() > scores[2]
 
@@ -216,7 +216,7 @@ def test_a_line_stops_unpriced_where_the_policy_cuts_a_state_that_fits(monkeypat
 def test_a_move_the_line_scores_higher_without_is_dropped():
   """A tiling of one weight over the model axis after Megatron loses; the ZeRO-2 over the
   batch axis after it gains, so the line's best state holds both. Without the tiling the same
-  line scores higher still: the decoded plan drops it (`_pruned`)."""
+  line scores higher still: the decoded plan drops it (`pruned`)."""
   env = PartitioningEnv(TASK)
   env.reset()
   line = ("BatchParallel(batch)", "Megatron(model)", "Tile(params/mlp/layer_2/w, 0, model)",

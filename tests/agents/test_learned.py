@@ -247,10 +247,11 @@ def test_demonstrations_leave_no_task_context_in_the_process_cache():
 def test_searched_demonstrations_beat_the_expert_and_keep_only_moves_that_pay():
   """Where a plain search beats every expert, the demonstration is the search's plan, without
   the moves that gain less than PRUNE_TOLERANCE of the step."""
-  from agents.alphazero.demonstrations import PRUNE_TOLERANCE, _score_of, demonstration_moves
+  from agents.alphazero.demonstrations import PRUNE_TOLERANCE, demonstration_moves
+  from agents.decoding import score_of
   env = PartitioningEnv(SEARCH_WINS)
   env.reset()
-  score = lambda moves: _score_of(env, moves)    # None where a move is not legal
+  score = lambda moves: score_of(env, moves)    # None where a move is not legal
   expert = demonstration_moves(env)
   assert expert == [*best_expert(evaluate_experts(env)).actions, env.finish_action]
   moves = demonstration_moves(env, 64)

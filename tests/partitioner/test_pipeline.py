@@ -119,8 +119,8 @@ def test_an_hf_model_pipelines_with_its_blocks_under_nn_scan(name):
   (`hf_gpt2:...,stack=scan`), AdamW: pipelined with Megatron or ZeRO-3 on the other axis, it
   verifies under both lowerings. Megatron finds the same weight pairs in the pipelined step as
   in the step traced: the forward pass of a loop that runs forward and backward work is what
-  the loss depends on carry by carry (`roles.carried_ancestors`), and the kept activations
-  are accounted as such."""
+  the loss depends on carry by carry (`roles.ancestors(..., by_carry=True)`), and the kept
+  activations are accounted as such."""
   w = corpus.load("hf_gpt2:small,layers=4,stack=scan,batch=16")
   program = P.trace(w.fn, *w.args, loops="keep")
   mesh, schedule = HF_SCHEDULES[name]
