@@ -9,9 +9,9 @@ patch convolution. Each family's `style` knob spells the same step three ways:
 `apply_fn`/`tx` are static fields). `dtype=bfloat16` keeps parameters and activations in bf16;
 with `param_dtype=float32` too, the parameters and optimizer state stay f32 (master weights)
 and the models compute in bf16. HF writes every layer stack as a Python loop over blocks (one
-set of parameters per layer); `hf_gpt2`'s `stack=scan` runs HF's own `FlaxGPT2Block` under
-Flax's `nn.scan` instead (parameters stacked by layer), as a user who wants a pipeline rewrites
-the stack.
+set of parameters per layer); `stack=scan` runs HF's own block (`FlaxGPT2Block`,
+`FlaxLlamaDecoderLayer`, `FlaxMistralDecoderLayer`) under Flax's `nn.scan` instead (parameters
+stacked by layer), as a user who wants a pipeline rewrites the stack; other families refuse it.
 
 Presets: `small` (tiny, for tests), `mini` (two layers at published widths) and the published
 sizes: hf_gpt2 `124m`/`355m`, hf_bert `base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base),
@@ -52,7 +52,7 @@ class HFConfig:
   kv_heads: int = 0        # key/value heads of grouped-query attention (0: as many as heads)
   head_dim: int = 0        # Gemma: per-head width (0: d_model / heads)
   style: str = "named"
-  stack: str = "unrolled"      # "scan": the blocks under nn.scan (hf_gpt2)
+  stack: str = "unrolled"      # "scan": the blocks under nn.scan (hf_gpt2, hf_llama, hf_mistral)
   dtype: str = "float32"       # activations (the models' computation dtype)
   param_dtype: str = ""        # parameters and optimizer state ("": dtype; float32: master)
   lr: float = 1e-3
@@ -204,38 +204,51 @@ def _gpt2(c: HFConfig, dtype):
   return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
 
 
-@functools.cache
-def _scanned_gpt2():
-  """HF's FlaxGPT2LMHeadModel whose block collection is one `FlaxGPT2Block` under `nn.scan`
-  (parameters `[layers, ...]` under `h/layers/block`); everything else is HF's."""
+def _scanned_blocks(block_class, length: int):
+  """HF's own `block_class` under Flax's `nn.scan` in place of HF's Python loop over blocks:
+  parameters stacked by layer under `layers/block`, called as HF's layer collections are (the
+  hidden states, the attention mask, GPT-2's encoder states (none), the position ids where the
+  block takes them), returning what they return without per-layer hidden states or
+  attentions."""
   import flax.linen as nn
-  from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
 
   class Layer(nn.Module):
     config: object
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, hidden_states, attention_mask):
-      block = gpt2.FlaxGPT2Block(self.config, dtype=self.dtype, name="block")
-      return block(hidden_states, attention_mask)[0], None
+    def __call__(self, hidden_states, attention_mask, position_ids):
+      block = block_class(self.config, dtype=self.dtype, name="block")
+      where = {} if position_ids is None else {"position_ids": position_ids}
+      return block(hidden_states, attention_mask, **where)[0], None
 
   class Blocks(nn.Module):
     config: object
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, hidden_states, attention_mask=None, *args, output_hidden_states=False,
-                 output_attentions=False, **kwargs):
+    def __call__(self, hidden_states, attention_mask=None, *encoder_states, position_ids=None,
+                 output_hidden_states=False, output_attentions=False, **kwargs):
       if output_hidden_states or output_attentions:
-        raise WorkloadError("a scanned GPT-2 stack returns neither hidden states nor attentions")
+        raise WorkloadError("a scanned stack returns neither hidden states nor attentions")
+      if any(e is not None for e in encoder_states):
+        raise WorkloadError("a scanned stack does not cross-attend")
       stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=nn.broadcast, length=self.config.num_hidden_layers)
-      hidden_states, _ = stack(self.config, self.dtype, name="layers")(hidden_states,
-                                                                      attention_mask)
+                      in_axes=nn.broadcast, length=length)
+      hidden_states, _ = stack(self.config, self.dtype, name="layers")(
+          hidden_states, attention_mask, position_ids)
       return hidden_states, None, None, None
+  return Blocks
 
-  # HF's two setups, with the blocks above in place of FlaxGPT2BlockCollection.
+
+@functools.cache
+def _scanned_gpt2():
+  """HF's FlaxGPT2LMHeadModel with its blocks scanned (`_scanned_blocks`, parameters under
+  `h/layers/block`); everything else is HF's."""
+  import flax.linen as nn
+  from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
+
+  # HF's two setups, with the scanned blocks in place of FlaxGPT2BlockCollection.
   class Module(gpt2.FlaxGPT2Module):
     def setup(self):
       c, init = self.config, jax.nn.initializers.normal(stddev=self.config.initializer_range)
@@ -244,7 +257,7 @@ def _scanned_gpt2():
       self.wpe = nn.Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
                           dtype=self.dtype)
       self.dropout = nn.Dropout(rate=c.embd_pdrop)
-      self.h = Blocks(c, dtype=self.dtype)
+      self.h = _scanned_blocks(gpt2.FlaxGPT2Block, c.num_hidden_layers)(c, dtype=self.dtype)
       self.ln_f = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=self.dtype)
 
   class LMHead(gpt2.FlaxGPT2LMHeadModule):
@@ -255,6 +268,43 @@ def _scanned_gpt2():
                                   stddev=self.config.initializer_range))
 
   class Model(gpt2.FlaxGPT2LMHeadModel):
+    module_class = LMHead
+  return Model
+
+
+@functools.cache
+def _scanned_decoder(family: str):
+  """HF's Flax Llama or Mistral causal LM (`family`: "llama", "mistral") with its decoder
+  layers scanned (`_scanned_blocks`, parameters under `model/layers/layers/block`): grouped
+  key/value heads, RMSNorm, SwiGLU and rotary positions are HF's own."""
+  import importlib
+
+  import flax.linen as nn
+  hf = importlib.import_module(f"transformers.models.{family}.modeling_flax_{family}")
+  name = {"llama": "Llama", "mistral": "Mistral"}[family]
+  base, head, model = (getattr(hf, f"Flax{name}{part}")
+                       for part in ("Module", "ForCausalLMModule", "ForCausalLM"))
+
+  # HF's two setups, with the scanned layers in place of its layer collection.
+  class Module(base):
+    def setup(self):
+      c = self.config
+      self.hidden_size = c.hidden_size
+      self.embed_tokens = nn.Embed(
+          c.vocab_size, c.hidden_size, dtype=self.dtype,
+          embedding_init=jax.nn.initializers.normal(stddev=c.initializer_range))
+      self.layers = _scanned_blocks(getattr(hf, f"Flax{name}DecoderLayer"),
+                                    c.num_hidden_layers)(c, dtype=self.dtype)
+      self.norm = getattr(hf, f"Flax{name}RMSNorm")(c, dtype=self.dtype)
+
+  class LMHead(head):
+    def setup(self):
+      self.model = Module(self.config, dtype=self.dtype)
+      self.lm_head = nn.Dense(self.config.vocab_size, use_bias=False, dtype=self.dtype,
+                              kernel_init=jax.nn.initializers.normal(
+                                  stddev=self.config.initializer_range))
+
+  class Model(model):
     module_class = LMHead
   return Model
 
@@ -340,7 +390,8 @@ def _llama(c: HFConfig, dtype):
   cfg = LlamaConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=c.ffn,
                     num_hidden_layers=c.layers, num_attention_heads=c.heads,
                     num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.seq)
-  return _causal(FlaxLlamaForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+  model_class = _scanned_decoder("llama") if c.stack == "scan" else FlaxLlamaForCausalLM
+  return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
 
 
 def _mistral(c: HFConfig, dtype):
@@ -349,7 +400,8 @@ def _mistral(c: HFConfig, dtype):
                       num_hidden_layers=c.layers, num_attention_heads=c.heads,
                       num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.seq,
                       sliding_window=max(c.seq // 2, 1))
-  return _causal(FlaxMistralForCausalLM(cfg, dtype=dtype, _do_init=False), c)
+  model_class = _scanned_decoder("mistral") if c.stack == "scan" else FlaxMistralForCausalLM
+  return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
 
 
 def _opt(c: HFConfig, dtype):
@@ -459,12 +511,22 @@ def _make(build: Callable, config: HFConfig):
   return train_step, init
 
 
+SCANNED = ("hf_gpt2", "hf_llama", "hf_mistral")   # the families `stack=scan` rewrites
+
+
+def _make_family(name: str, build: Callable, config: HFConfig):
+  if config.stack == "scan" and name not in SCANNED:
+    raise WorkloadError(f"{name}: stack=scan is written for {', '.join(SCANNED)} only (HF's "
+                        f"blocks under nn.scan); {name} keeps HF's Python loop over layers")
+  return _make(build, config)
+
+
 class _Family:
   """A module-like record for the registry: `make`, `PRESETS`."""
 
   def __init__(self, name, build, presets):
     self.__name__ = f"corpus.{name}"
-    self.make = functools.partial(_make, build)
+    self.make = functools.partial(_make_family, name, build)
     self.PRESETS = presets
 
 

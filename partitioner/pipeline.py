@@ -108,7 +108,7 @@ def _pipelined(program: Program, stages: int, microbatches: int, schedule: str,
     _refuse(what, "found no layer stack: the step has no loop (lax.scan, hk.layer_stack, "
                   "nn.scan) over stacked layers; a Python loop over layers (as HF's Flax "
                   "models write their stacks) is unrolled when traced: run the blocks under "
-                  "nn.scan (as hf_gpt2's stack=scan does)")
+                  "nn.scan (as stack=scan does for hf_gpt2, hf_llama and hf_mistral)")
   if not _stacks(program) and program.source[1] != "keep":
     kept = _kept(program)   # the stack may have been unrolled: trace it as a loop
     kept.original, program = program, kept

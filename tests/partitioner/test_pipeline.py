@@ -113,28 +113,34 @@ HF_SCHEDULES = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", HF_SCHEDULES)
-def test_an_hf_model_pipelines_with_its_blocks_under_nn_scan(name):
-  """HF's FlaxGPT2Block (fused q/k/v, Conv1D kernels used transposed) under nn.scan
-  (`hf_gpt2:...,stack=scan`), AdamW: pipelined with Megatron or ZeRO-3 on the other axis, it
-  verifies under both lowerings. Megatron finds the same weight pairs in the pipelined step as
-  in the step traced: the forward pass of a loop that runs forward and backward work is what
-  the loss depends on carry by carry (`roles.ancestors(..., by_carry=True)`), and the kept
-  activations are accounted as such."""
-  w = corpus.load("hf_gpt2:small,layers=4,stack=scan,batch=16")
+@pytest.mark.parametrize("family, name", [("hf_gpt2", n) for n in HF_SCHEDULES]
+                         + [("hf_llama", "1f1b megatron")])
+def test_an_hf_model_pipelines_with_its_blocks_under_nn_scan(family, name):
+  """HF's own blocks under nn.scan (`stack=scan`), AdamW: GPT-2's FlaxGPT2Block (fused q/k/v,
+  Conv1D kernels used transposed) pipelined with Megatron or ZeRO-3 on the other axis, and
+  Llama's decoder layer (grouped key/value heads, SwiGLU) with Megatron; each verifies under
+  both lowerings. Megatron finds the same weight pairs in the pipelined step as in the step
+  traced: the forward pass of a loop that runs forward and backward work is what the loss
+  depends on carry by carry (`roles.ancestors(..., by_carry=True)`), and the kept activations
+  are accounted as such."""
+  w = corpus.load(f"{family}:small,layers=4,stack=scan,batch=16")
   program = P.trace(w.fn, *w.args, loops="keep")
   mesh, schedule = HF_SCHEDULES[name]
   pp = P.apply(program, mesh, schedule)
   assert not pp.fallbacks and pp.program.stages > 1
   result = verify(pp, w.args)
   assert result.ok, f"max error {result.max_abs_err} in {result.worst}"
-  kernel = lambda n: f"params/transformer/h/layers/block/{n}/kernel"
+  stack, parts, first = {
+      "hf_gpt2": ("transformer/h", ("mlp/c_fc", "mlp/c_proj", "attn/c_proj"), "mlp/c_fc"),
+      "hf_llama": ("model/layers", ("mlp/gate_proj", "mlp/down_proj", "self_attn/k_proj",
+                                    "self_attn/o_proj"), "mlp/gate_proj")}[family]
+  kernel = lambda n: f"params/{stack}/layers/block/{n}/kernel"
   if "megatron" in name:
     traced = P.apply(program, "batch=2,model=2", "BatchParallel(batch); Megatron(model)")
-    for part in ("mlp/c_fc", "mlp/c_proj", "attn/c_proj"):
+    for part in parts:
       assert pp.sharding(kernel(part)).dims[1:] == traced.sharding(kernel(part)).dims[1:]
       assert "model" in str(pp.sharding(kernel(part)).dims)
-    assert pp.sharding(kernel("mlp/c_fc")).dims[0] == ("stage",)
+    assert pp.sharding(kernel(first)).dims[0] == ("stage",)
   assert simulate(pp, "h100").memory.breakdown["activations"] > 0
 
 
