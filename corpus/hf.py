@@ -12,6 +12,7 @@ and the models compute in bf16. HF writes every layer stack as a Python loop ove
 set of parameters per layer); `stack=scan` runs HF's own block (`FlaxGPT2Block`,
 `FlaxLlamaDecoderLayer`, `FlaxMistralDecoderLayer`) under Flax's `nn.scan` instead (parameters
 stacked by layer), as a user who wants a pipeline rewrites the stack; other families refuse it.
+`remat=true` puts each scanned block under `nn.remat` (`jax.checkpoint`).
 
 Presets: `small` (tiny, for tests), `mini` (two layers at published widths) and the published
 sizes: hf_gpt2 `124m`/`355m`, hf_bert `base`/`large`, hf_t5 `60m` (t5-small)/`220m` (t5-base),
@@ -53,6 +54,7 @@ class HFConfig:
   head_dim: int = 0        # Gemma: per-head width (0: d_model / heads)
   style: str = "named"
   stack: str = "unrolled"      # "scan": the blocks under nn.scan (hf_gpt2, hf_llama, hf_mistral)
+  remat: bool = False          # with stack=scan: each block under nn.remat (jax.checkpoint)
   dtype: str = "float32"       # activations (the models' computation dtype)
   param_dtype: str = ""        # parameters and optimizer state ("": dtype; float32: master)
   lr: float = 1e-3
@@ -142,6 +144,9 @@ def _check(config: HFConfig) -> None:
     raise WorkloadError(f"style must be one of {', '.join(STYLES)}, got {config.style!r}")
   if config.stack not in STACKS:
     raise WorkloadError(f"stack must be one of {', '.join(STACKS)}, got {config.stack!r}")
+  if config.remat and config.stack != "scan":
+    raise WorkloadError("remat=true needs stack=scan (it checkpoints the scanned block); an "
+                        "unrolled step recomputes under the Remat() tactic")
   for knob, allowed in (("dtype", DTYPES), ("param_dtype", ("",) + DTYPES)):
     if getattr(config, knob) not in allowed:
       raise WorkloadError(f"{knob} must be float32 or bfloat16, got {getattr(config, knob)!r}")
@@ -200,16 +205,17 @@ def _gpt2(c: HFConfig, dtype):
   cfg = GPT2Config(vocab_size=c.vocab, n_positions=c.seq, n_embd=c.d_model, n_layer=c.layers,
                    n_head=c.heads, n_inner=c.ffn, resid_pdrop=0.0, embd_pdrop=0.0,
                    attn_pdrop=0.0)
-  model_class = _scanned_gpt2() if c.stack == "scan" else FlaxGPT2LMHeadModel
+  model_class = _scanned_gpt2(c.remat) if c.stack == "scan" else FlaxGPT2LMHeadModel
   return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
 
 
-def _scanned_blocks(block_class, length: int):
+def _scanned_blocks(block_class, length: int, remat: bool = False):
   """HF's own `block_class` under Flax's `nn.scan` in place of HF's Python loop over blocks:
   parameters stacked by layer under `layers/block`, called as HF's layer collections are (the
   hidden states, the attention mask, GPT-2's encoder states (none), the position ids where the
   block takes them), returning what they return without per-layer hidden states or
-  attentions."""
+  attentions. With `remat`, each block runs under `nn.remat` (`jax.checkpoint`), as scanned
+  stacks are written to recompute their activations."""
   import flax.linen as nn
 
   class Layer(nn.Module):
@@ -233,7 +239,8 @@ def _scanned_blocks(block_class, length: int):
         raise WorkloadError("a scanned stack returns neither hidden states nor attentions")
       if any(e is not None for e in encoder_states):
         raise WorkloadError("a scanned stack does not cross-attend")
-      stack = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True},
+      layer = nn.remat(Layer, prevent_cse=False) if remat else Layer
+      stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=nn.broadcast, length=length)
       hidden_states, _ = stack(self.config, self.dtype, name="layers")(
           hidden_states, attention_mask, position_ids)
@@ -242,7 +249,7 @@ def _scanned_blocks(block_class, length: int):
 
 
 @functools.cache
-def _scanned_gpt2():
+def _scanned_gpt2(remat: bool):
   """HF's FlaxGPT2LMHeadModel with its blocks scanned (`_scanned_blocks`, parameters under
   `h/layers/block`); everything else is HF's."""
   import flax.linen as nn
@@ -257,7 +264,8 @@ def _scanned_gpt2():
       self.wpe = nn.Embed(c.max_position_embeddings, c.hidden_size, embedding_init=init,
                           dtype=self.dtype)
       self.dropout = nn.Dropout(rate=c.embd_pdrop)
-      self.h = _scanned_blocks(gpt2.FlaxGPT2Block, c.num_hidden_layers)(c, dtype=self.dtype)
+      self.h = _scanned_blocks(gpt2.FlaxGPT2Block, c.num_hidden_layers, remat)(
+          c, dtype=self.dtype)
       self.ln_f = nn.LayerNorm(epsilon=c.layer_norm_epsilon, dtype=self.dtype)
 
   class LMHead(gpt2.FlaxGPT2LMHeadModule):
@@ -273,7 +281,7 @@ def _scanned_gpt2():
 
 
 @functools.cache
-def _scanned_decoder(family: str):
+def _scanned_decoder(family: str, remat: bool):
   """HF's Flax Llama or Mistral causal LM (`family`: "llama", "mistral") with its decoder
   layers scanned (`_scanned_blocks`, parameters under `model/layers/layers/block`): grouped
   key/value heads, RMSNorm, SwiGLU and rotary positions are HF's own."""
@@ -294,7 +302,7 @@ def _scanned_decoder(family: str):
           c.vocab_size, c.hidden_size, dtype=self.dtype,
           embedding_init=jax.nn.initializers.normal(stddev=c.initializer_range))
       self.layers = _scanned_blocks(getattr(hf, f"Flax{name}DecoderLayer"),
-                                    c.num_hidden_layers)(c, dtype=self.dtype)
+                                    c.num_hidden_layers, remat)(c, dtype=self.dtype)
       self.norm = getattr(hf, f"Flax{name}RMSNorm")(c, dtype=self.dtype)
 
   class LMHead(head):
@@ -390,7 +398,7 @@ def _llama(c: HFConfig, dtype):
   cfg = LlamaConfig(vocab_size=c.vocab, hidden_size=c.d_model, intermediate_size=c.ffn,
                     num_hidden_layers=c.layers, num_attention_heads=c.heads,
                     num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.seq)
-  model_class = _scanned_decoder("llama") if c.stack == "scan" else FlaxLlamaForCausalLM
+  model_class = _scanned_decoder("llama", c.remat) if c.stack == "scan" else FlaxLlamaForCausalLM
   return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
 
 
@@ -400,7 +408,8 @@ def _mistral(c: HFConfig, dtype):
                       num_hidden_layers=c.layers, num_attention_heads=c.heads,
                       num_key_value_heads=c.kv_heads or c.heads, max_position_embeddings=c.seq,
                       sliding_window=max(c.seq // 2, 1))
-  model_class = _scanned_decoder("mistral") if c.stack == "scan" else FlaxMistralForCausalLM
+  model_class = (_scanned_decoder("mistral", c.remat) if c.stack == "scan" else
+                 FlaxMistralForCausalLM)
   return _causal(model_class(cfg, dtype=dtype, _do_init=False), c)
 
 

@@ -149,10 +149,12 @@ def _restacked(tree, layers: int):
   return tree
 
 
-@pytest.mark.parametrize("family", ["hf_gpt2", "hf_llama", "hf_mistral"])
-def test_blocks_under_nn_scan_are_hf_s_own_step(family):
+@pytest.mark.parametrize("family, extra", [("hf_gpt2", ""), ("hf_llama", ""), ("hf_mistral", ""),
+                                           ("hf_llama", ",remat=true")])
+def test_blocks_under_nn_scan_are_hf_s_own_step(family, extra):
   """`stack=scan` runs HF's own block (GPT-2's fused q/k/v; Llama's and Mistral's grouped
-  key/value heads, RMSNorm, SwiGLU and rotary positions) under nn.scan: on the same weights
+  key/value heads, RMSNorm, SwiGLU and rotary positions) under nn.scan, with `remat=true`
+  each block under nn.remat (the backward loop computes the block again): on the same weights
   (stacked) the training step computes what HF's unrolled model does, loss and updated state,
   judged as `verify` judges a lowering: against the unrolled step in float64, no further from
   it than the float32 unrolled step's own rounding (which AdamW's first step amplifies to +-lr
@@ -160,7 +162,7 @@ def test_blocks_under_nn_scan_are_hf_s_own_step(family):
   from partitioner.verify import NOISE, exact_outputs
   leaves = jax.tree_util.tree_leaves
   unrolled = corpus.load(f"{family}:small,layers=3")
-  scanned = corpus.load(f"{family}:small,layers=3,stack=scan")
+  scanned = corpus.load(f"{family}:small,layers=3,stack=scan{extra}")
   args = _restacked(unrolled.args, 3)
   assert jax.tree_util.tree_structure(args) == jax.tree_util.tree_structure(scanned.args)
   got = jax.jit(scanned.fn)(*args)
@@ -171,6 +173,10 @@ def test_blocks_under_nn_scan_are_hf_s_own_step(family):
     g, w, x = (np.asarray(v, np.float64) for v in (g, w, x))
     past = np.abs(g - x) - (1e-5 + 1e-4 * np.abs(x))
     assert np.max(past) <= NOISE * np.max(np.abs(w - x)), (np.max(past), np.max(np.abs(w - x)))
+  if extra:   # the backward loop runs the block's matmuls again
+    dots = lambda w: sum(op.primitive.name == "dot_general"
+                         for op in P.trace(w.fn, *w.args, loops="keep").ops)
+    assert dots(scanned) > dots(corpus.load(f"{family}:small,layers=3,stack=scan"))
 
 
 def test_a_stack_that_cannot_be_scanned_is_refused():
@@ -178,3 +184,5 @@ def test_a_stack_that_cannot_be_scanned_is_refused():
     corpus.load("hf_gpt2:small,stack=loop")
   with pytest.raises(WorkloadError, match="hf_opt: stack=scan is written for hf_gpt2, hf_llama"):
     corpus.load("hf_opt:small,stack=scan")
+  with pytest.raises(WorkloadError, match="remat=true needs stack=scan"):
+    corpus.load("hf_llama:small,remat=true")
