@@ -173,9 +173,9 @@ def matching_param(program: Program, opt_vid: int) -> int | None:
 @per_program
 def forward_ops(program: Program) -> frozenset[int]:
   """Ops of the forward pass: those the non-state outputs (loss, metrics) depend on, through
-  loops carry by carry (`ancestors(..., by_carry=True)`). A step that returns only its new state has no
-  loss to follow: there, everything but what the gradient's seed starts (`backward_ops`);
-  every op where no seed is found."""
+  loops carry by carry (`ancestors(..., by_carry=True)`). A step that returns only its new
+  state has no loss to follow: there, everything but what the gradient's seed starts
+  (`backward_ops`); every op where no seed is found."""
   return _loss_ops(program, by_carry=True)
 
 
