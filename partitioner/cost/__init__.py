@@ -20,9 +20,12 @@
 # divides by nothing as tables are, so a schedule naming it costs what its plan now is; 15:
 # `ExpertParallel` acts before the tactics that split the tokens over its axis also where it is
 # written after them, partitioner/partition.py `_acts_before`, so such a schedule moves the
-# tokens to their experts and costs what GShard's order does), so that stored evaluations made
+# tokens to their experts and costs what GShard's order does; 16: a reduction over dimensions of
+# size 1 is a bitcast, as XLA's simplifier makes it, and waits with the update for the gradient
+# it reads, where it held every gradient's reduction of its bucket on the backward pass's
+# critical path, partitioner/cost/compute.py `_unit_reduction`), so that stored evaluations made
 # with another model are redone rather than compared with these.
-COST_MODEL_VERSION = 15
+COST_MODEL_VERSION = 16
 
 from partitioner.cost.communication import CollectiveTime, collective_time
 from partitioner.cost.hardware import CATALOG, Hardware, HardwareError, Link, load_hardware

@@ -33,6 +33,16 @@ BARRIER = "optimization_barrier"
 _MOVABLE = _ELEMENTWISE | _SHAPE
 
 
+def _unit_reduction(op, program: Program) -> bool:
+  """A reduction over dimensions of size 1 only (a Flax `Dense` bias's gradient ends in one,
+  `(1, 1, d) -> (d,)`): XLA's algebraic simplifier makes it a reshape, a bitcast."""
+  if op.name not in REDUCTIONS or not op.inputs:
+    return False
+  shape = program.values[op.inputs[0]].shape
+  axes = op.params.get("axes", ())
+  return bool(axes) and all(shape[a] == 1 for a in axes)
+
+
 class OpWork(NamedTuple):
   flops: float            # global
   kind: str               # "matmul", "conv", "vector" or "memory" (moves data only)
@@ -89,7 +99,8 @@ class ProgramWork:
     # A slice reads only what it writes (one layer of a stacked weight, not the stack).
     scale = np.array([_read_scale(op, program) for op in ops], np.float64)
     k = kernels(program, self.order, [op.name in FUSIBLE for op in ops],
-                [op.name in REDUCTIONS for op in ops], scale, fusion)
+                [op.name in REDUCTIONS and not _unit_reduction(op, program) for op in ops],
+                scale, fusion)
     self.internal = k.internal
     self.group = k.group          # the fused kernel of each op, numbered in run order
     self.groups = k.groups
@@ -119,7 +130,8 @@ class ProgramWork:
 
 def _run_order(program: Program) -> list[int]:
   """The order ops run in: program order, reordered as XLA's scheduler does to overlap
-  gradient reductions with the backward pass. Cheap backward ops (elementwise, shape) run just
+  gradient reductions with the backward pass. Cheap backward ops (elementwise, shape, a
+  reduction over unit dimensions) run just
   before their first reader, so a gradient's transpose does not wait for its reduction inside
   the backward pass; and the optimizer update (ops downstream of optimizer state or writing only
   updated state, that nothing else reads) runs last, in the order its gradients are ready.
@@ -147,7 +159,8 @@ def _run_order(program: Program) -> list[int]:
           r = max(r, key[p] if tail[p] else p + n)
       key[op.index] = r
   for op in reversed(ops):
-    if not tail[op.index] and op.index not in forward and op.name in _MOVABLE:
+    if not tail[op.index] and op.index not in forward and (op.name in _MOVABLE or
+                                                           _unit_reduction(op, program)):
       readers = [key[u] for v in op.outputs for u in users[v]]
       if readers and all(region[u] == region[op.index] for v in op.outputs for u in users[v]):
         key[op.index] = min(readers) - 0.5
@@ -156,16 +169,16 @@ def _run_order(program: Program) -> list[int]:
 
 def _read_scale(op, program) -> float:
   """The share of its operands' bytes an op reads: a slice reads its result's worth; a
-  squeeze, or a broadcast that only adds unit dimensions, is a bitcast in XLA and moves
-  nothing (0: neither read nor written); so do a loop's entry and exit: XLA's while loop
-  passes its buffers by reference, the body reads a stacked input's slice where it uses it
-  (priced there, every iteration) and writes each iteration's result in place; nor does an
-  optimization barrier, which only orders."""
+  squeeze, a reduction over unit dimensions, or a broadcast that only adds unit dimensions, is
+  a bitcast in XLA and moves nothing (0: neither read nor written); so do a loop's entry and
+  exit: XLA's while loop passes its buffers by reference, the body reads a stacked input's
+  slice where it uses it (priced there, every iteration) and writes each iteration's result in
+  place; nor does an optimization barrier, which only orders."""
   if op.name in ("scan_enter", "scan_exit", BARRIER):
     return 0.0
-  if op.name == "squeeze" or (op.name == "broadcast_in_dim" and op.inputs and
-                              program.values[op.inputs[0]].size ==
-                              program.values[op.outputs[0]].size):
+  if op.name == "squeeze" or _unit_reduction(op, program) or (
+      op.name == "broadcast_in_dim" and op.inputs and
+      program.values[op.inputs[0]].size == program.values[op.outputs[0]].size):
     return 0.0
   if op.name in ("slice", "dynamic_slice", "gather") and op.inputs and op.outputs:
     size = program.values[op.inputs[0]].size   # a gather reads the rows it gathers

@@ -96,8 +96,10 @@ def test_an_encoder_decoder_folds_on_the_middle_layers_backward():
   for schedule in corpus.experts("t5", mesh.names).values():
     folded = simulator(apply(folding.program, mesh, schedule))
     exact = simulate(apply(whole, mesh, schedule), hardware)
-    # Within 0.13% (ZeRO-3 under NCCL's collective model, cost model 8).
-    assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=2e-3), schedule
+    # Within 0.07%, but ZeRO-3 and HPZ within 0.5% (cost model 16: the bias gradients'
+    # reduce-scatters no longer wait inside the layer, which awaits its gathers, so the
+    # folded layer issues them where one layer does, `Simulator._spread`).
+    assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=6e-3), schedule
     assert folded.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-6), schedule
 
 
@@ -113,7 +115,9 @@ def test_combined_collectives_of_a_folded_layer_fill_buckets_as_the_deep_program
     launches = lambda cost, weight: sum(weight(c) / c.combined for c in cost.collectives)
     assert launches(folded, lambda c: folding.op_weight[c.op]) == pytest.approx(
         launches(exact, lambda c: 1), rel=0.05), name
-    assert folded.comm_s == pytest.approx(exact.comm_s, rel=0.02), name
+    # dp+sp within 1.8% (2.1% on current JAX) since cost model 16, where the bias gradients'
+    # reductions fill buckets across layers: within 0.6% for every other schedule.
+    assert folded.comm_s == pytest.approx(exact.comm_s, rel=0.03), name
     # 1.0% on the pinned stack; 1.1% on current JAX, whose optax 0.2.8 traces the gradients'
     # global norm as all squares, then all sums, so buckets fill a little otherwise.
     assert folded.step_time_s == pytest.approx(exact.step_time_s, rel=0.015), name
