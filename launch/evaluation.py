@@ -543,8 +543,10 @@ def replay_plans(task, plans: list[dict]) -> list[dict]:
       continue
     rows.append({k: r[k] for k in ("task", "model", "mesh", "hardware", "budget", "devices",
                                    "max_steps", "seed") if k in r} | {
-        "agent": f"replay:{r['agent']}",
-        "version": f"replay-v1-c{_cost_model_version()}", "replayed": r["version"],
+        # A plan replayed before keeps the agent and version that found it.
+        "agent": r["agent"] if r["agent"].startswith("replay:") else f"replay:{r['agent']}",
+        "version": f"replay-v1-c{_cost_model_version()}", "replayed": r.get("replayed",
+                                                                             r["version"]),
         "schedule": r["schedule"], "step_time_s": cost.step_time_s,
         "peak_memory_bytes": cost.peak_memory_bytes, "budget_bytes": budget,
         "fits": cost.peak_memory_bytes <= budget, "decide_s": 0.0})

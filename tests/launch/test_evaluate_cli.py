@@ -252,14 +252,15 @@ def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   assert pipelined_plan(parse_agent("ilp:4"), env, 4) is None
 
 
-def test_plans_of_an_earlier_cost_model_are_priced_again_into_the_best_known(capsys, tmp_path):
+def test_plans_of_an_earlier_cost_model_are_priced_again_into_the_best_known(capsys, tmp_path,
+                                                                            monkeypatch):
   """The best known counts only rows of the current cost model; a plan an earlier model found
   best is priced again under this one (a `replay:` row, in no table), so that a cost model's
   bump does not drop it and flatter every other agent. Once per plan; a schedule that no
   longer applies is left out."""
   from launch.evaluation import ResultsStore
   from partitioner import apply
-  from partitioner.cost import simulate
+  from partitioner.cost import COST_MODEL_VERSION, simulate
   from environments.tasks import load_program
   store = tmp_path / "r.jsonl"
   argv = ("--models", "mlp:small", "--meshes", "batch=4,model=2", "--agents", "expert",
@@ -288,3 +289,14 @@ def test_plans_of_an_earlier_cost_model_are_priced_again_into_the_best_known(cap
   code, _, err = run(capsys, "evaluate", *argv)   # priced once
   assert code == 0 and "priced again" not in err
   assert len([r for r in ResultsStore(str(store)).rows if r["agent"].startswith("replay:")]) == 1
+  # Under the next cost model the replay is replayed as the ILP's plan, not as a replay's.
+  import launch.evaluation as ev
+  with open(store, "a") as f:   # the replay priced fastest: the one to replay next
+    f.write(json.dumps({**replays[0], "step_time_s": 1e-12}) + "\n")
+  monkeypatch.setattr(ev, "_cost_model_version", lambda: COST_MODEL_VERSION + 1)
+  code, _, err = run(capsys, "evaluate", *argv)
+  assert code == 0 and "priced again" in err
+  again = [r for r in ResultsStore(str(store)).rows
+           if r["agent"].startswith("replay:") and r["schedule"] == plan][-1]
+  assert again["version"] == f"replay-v1-c{COST_MODEL_VERSION + 1}"
+  assert (again["agent"], again["replayed"]) == ("replay:ilp:60", "ilp-v9-c1")
