@@ -62,7 +62,12 @@ def _trace(model: str):
   return trace(workload.fn, *workload.args)
 
 
-FOLD_TOLERANCE = 0.01   # largest relative error of a folded step time or peak memory
+# Largest relative error of a folded step time or peak memory. 2%: since cost model 16 a
+# layer's gradient reductions under sequence parallelism queue before the collectives the
+# layer awaits, and the folded layer's (one for 22) queue longer than the deep program's
+# (gpt:350m's dp+sp folded 0.9-1.5% slow at 8-256 H100s; every other expert of the training
+# recipe's folded tasks within 0.25%).
+FOLD_TOLERANCE = 0.02
 
 
 def _fold(task: Task):
