@@ -110,7 +110,8 @@ bench: install
 # BERT); at the device's memory, at a tight budget (half way from the smallest expert peak to
 # data parallelism's) and under every expert's peak (80% of the smallest: where only plans cut
 # into micro-batches fit); cloning the best of the experts and a 64-simulation MCTS per train
-# task before self-play. Seed 0 is what ships, chosen before any seed was measured; `make policy-seeds`
+# task before self-play. Seed 0 is what ships, chosen before any seed was measured (but for
+# session 72's, trained under cost model 16: docs/training.md says why not); `make policy-seeds`
 # trains seeds 1 and 2 beside it, for the spread docs/external.md reports (`SEEDS=2`: one).
 POLICY_RECIPE := --algorithm alphazero --actors 2 --steps 360 \
   --models "gpt:350m;gpt:mini;gpt:mini,scan=True;bert:mini,layers=12;bert:mini;vit:mini,layers=8;vmoe:mini,moe_every=1;mlp:large;mlp:mini;gnn:mini;resnet:mini,image=224;hf_gpt2:mini,style=train_state,dtype=bfloat16;hf_t5:mini;hf_bert:mini" \
