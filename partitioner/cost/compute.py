@@ -34,8 +34,8 @@ _MOVABLE = _ELEMENTWISE | _SHAPE
 
 
 def _unit_reduction(op, program: Program) -> bool:
-  """A reduction over dimensions of size 1 only (a Flax `Dense` bias's gradient ends in one,
-  `(1, 1, d) -> (d,)`): XLA's algebraic simplifier makes it a reshape, a bitcast."""
+  """A reduction over dimensions of size 1 only (the gradient of a vector bias added as `x + b`
+  ends in one, `(1, 1, d) -> (d,)`): XLA's algebraic simplifier makes it a reshape, a bitcast."""
   if op.name not in REDUCTIONS or not op.inputs:
     return False
   shape = program.values[op.inputs[0]].shape
@@ -131,9 +131,8 @@ class ProgramWork:
 def _run_order(program: Program) -> list[int]:
   """The order ops run in: program order, reordered as XLA's scheduler does to overlap
   gradient reductions with the backward pass. Cheap backward ops (elementwise, shape, a
-  reduction over unit dimensions) run just
-  before their first reader, so a gradient's transpose does not wait for its reduction inside
-  the backward pass; and the optimizer update (ops downstream of optimizer state or writing only
+  reduction over unit dimensions) run just before their first reader, so a gradient's transpose
+  does not wait for its reduction inside the backward pass; and the optimizer update (ops downstream of optimizer state or writing only
   updated state, that nothing else reads) runs last, in the order its gradients are ready.
   Nothing moves into or out of a loop's body."""
   ops, values, users = program.ops, program.values, program.users
