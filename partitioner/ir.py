@@ -9,6 +9,8 @@ the original primitive and parameters, so the IR can always be evaluated and re-
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import re
@@ -481,8 +483,27 @@ def run_loop(program: Program, k: int, operands: list, iteration) -> list:
   return list(final) + list(ys)
 
 
+# A rewrite every bound op's arguments and parameters pass through first (`rewriting_binds`).
+_BIND_REWRITE: contextvars.ContextVar = contextvars.ContextVar("bind_rewrite", default=None)
+
+
+@contextlib.contextmanager
+def rewriting_binds(rewrite):
+  """While inside, every op bound through `bind` (by `Program.evaluate`, either lowering, the
+  local rules) passes `rewrite(op, args, params) -> (args, params)` first: how `verify` runs
+  the lowerings in float64. It acts while a function is traced, not when it is compiled."""
+  token = _BIND_REWRITE.set(rewrite)
+  try:
+    yield
+  finally:
+    _BIND_REWRITE.reset(token)
+
+
 def bind(op: Op, args: list, params: dict) -> list:
   """Applies an op's primitive to arguments, always returning a list of results."""
   from partitioner import compat
+  rewrite = _BIND_REWRITE.get()
+  if rewrite is not None:
+    args, params = rewrite(op, args, params)
   out = compat.bind(op.primitive, args, params)
   return list(out) if op.primitive.multiple_results else [out]

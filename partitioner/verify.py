@@ -5,7 +5,12 @@ first: an optimizer can amplify it (Adam's first step divides each gradient by i
 so a gradient that is zero but for rounding becomes a step of +-lr whose sign is noise). So the
 unpartitioned program also runs in float64 (`exact_outputs`), and the lowering passes if, per
 output, its distance from that exact answer beyond the tolerance is at most `NOISE` times the
-float32 reference's own: amplified rounding passes, a wrong collective does not.
+float32 reference's own: amplified rounding passes, a wrong collective does not. Where the
+reference happens to round closer than that (HF LongT5's XLA-partitioned jit lowering under
+dp+Megatron+ZeRO-3: 600 elements of a key kernel 5e-4 from the exact answer, the reference
+1e-4), the lowerings themselves run in float64 (`widened_lowerings`) and pass if they match the
+float64 program: a partitioning exact in arithmetic does, to float64's rounding, which Adam's
+epsilon swallows; a wrong collective is as wrong in float64.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ class Verification(NamedTuple):
   worst: str              # output with the largest error
   rtol: float
   atol: float
-  exact: bool = False     # whether the float64 reference judged (the float32 one was missed)
+  exact: bool = False     # whether the float64 reference judged (the float32 one was missed
+                          # and the program ran in float64)
+  widened: bool = False   # whether the lowerings ran in float64 too (`widened_lowerings`)
 
 
 def example_inputs(args, seed: int = 0) -> list:
@@ -113,33 +120,62 @@ def _narrow_float(value) -> bool:
   return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating)) and dtype.itemsize < 8
 
 
+_NARROW_INT = {np.dtype(np.int64): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.uint32)}
+
+
+def _wide(x):
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:   # a Python scalar constant, typed as traced: a 32-bit int, a wide float
+    return (x if isinstance(x, bool) else np.int32(x) if isinstance(x, int)
+            else np.float64(x) if isinstance(x, float) else x)
+  if _narrow_float(dtype):
+    return x.astype(np.float64)
+  # Traced without 64-bit types, a 64-bit integer is a constant as numpy typed it: 32-bit.
+  return x.astype(_NARROW_INT.get(np.dtype(dtype), dtype))
+
+
+def _widen(op, args, params):
+  """An op bound in float64: its float arguments, constants and the dtypes it names widened
+  (a scatter's typed combining function traced again on float64 scalars)."""
+  from partitioner.compat import eval_jaxpr
+  params = {k: np.dtype(np.float64) if _narrow_float(v) else v for k, v in params.items()}
+  update = params.get("update_jaxpr")
+  if update is not None and _narrow_float(update.invars[0].aval.dtype):
+    consts = params.get("update_consts", ())
+    scalar = np.float64(0)
+    again = jax.make_jaxpr(lambda x, y: eval_jaxpr(update, consts, x, y))(scalar, scalar)
+    params.update(update_jaxpr=again.jaxpr, update_consts=tuple(again.consts))
+  return [_wide(a) for a in args], params
+
+
 def exact_outputs(program, inputs) -> list | None:
   """The unpartitioned program in float64: every float input, constant and dtype an op names
   widened, so its rounding is 2**-29 of float32's. None where an op does not run so (a bitcast
-  between floats and integers, say)."""
-  from partitioner.compat import enable_x64, eval_jaxpr
-  from partitioner.ir import bind
-
-  def wide(x):
-    dtype = getattr(x, "dtype", None)
-    return x.astype(np.float64) if dtype is not None and _narrow_float(dtype) else x
-
-  def bind_op(op, args):
-    params = {k: np.dtype(np.float64) if _narrow_float(v) else v for k, v in op.params.items()}
-    update = params.get("update_jaxpr")
-    if update is not None and _narrow_float(update.invars[0].aval.dtype):
-      # A scatter's combining function is typed: trace it again on float64 scalars.
-      consts = params.get("update_consts", ())
-      scalar = np.float64(0)
-      again = jax.make_jaxpr(lambda x, y: eval_jaxpr(update, consts, x, y))(scalar, scalar)
-      params.update(update_jaxpr=again.jaxpr, update_consts=tuple(again.consts))
-    return bind(op, [wide(a) for a in args], params)
-
-  with enable_x64():
+  between floats and integers, say). Constants are typed as the program was traced (without
+  64-bit types): an int constant bound as int64 made every HF T5 step fail to run so, and its
+  amplified rounding was then reported as a mismatch."""
+  from partitioner.compat import enable_x64
+  from partitioner.ir import rewriting_binds
+  with enable_x64(), rewriting_binds(_widen):
     try:
-      run = jax.jit(lambda *xs: program.evaluate(*xs, bind_op=bind_op))
-      return [np.asarray(x) for x in run(*[wide(jax.numpy.asarray(x)) for x in inputs])]
+      run = jax.jit(program.evaluate)
+      return [np.asarray(x) for x in run(*[_wide(jax.numpy.asarray(x)) for x in inputs])]
     except Exception:   # an op with no float64 form: no exact answer to judge by
+      return None
+
+
+def widened_lowerings(pp, inputs, mesh) -> dict | None:
+  """Both lowerings of `pp` run in float64, every op widened as `exact_outputs` widens the
+  unpartitioned program: lowering name -> flat outputs; None where an op does not run so."""
+  from partitioner.compat import enable_x64
+  from partitioner.ir import rewriting_binds
+  program = pp.program
+  with enable_x64(), rewriting_binds(_widen):
+    try:
+      stored = program.store_inputs([_wide(jax.numpy.asarray(x)) for x in inputs])
+      return {"shard_map": program.load_outputs(list(jax.jit(pp.lower_spmd(mesh).flat)(*stored))),
+              "jit": program.load_outputs(list(pp.jit(mesh).wrapped(*stored)))}
+    except Exception:
       return None
 
 
@@ -194,14 +230,19 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
       "jit": jax.tree_util.tree_leaves(pp.jit(mesh)(*concrete)),
   }
   floor = compute_dtype(program)
-  errors, ok, worst, worst_err, exact = {}, True, "", -1.0, None
+  errors, missed, worst, worst_err, exact = {}, [], "", -1.0, None
   for name, actual in results.items():
     err, where = max_error(expected, actual)
     errors[name] = err
     if not _close(expected, actual, rtol, atol, floor):
       if exact is None:
         exact = exact_outputs(program, inputs) or []
-      ok = ok and bool(exact) and _close_to_exact(expected, actual, exact, rtol, atol, floor)
+      if not (exact and _close_to_exact(expected, actual, exact, rtol, atol, floor)):
+        missed.append(name)
     if err > worst_err or err != err:
       worst_err, worst = err, program.output_names[where] if where >= 0 else ""
-  return Verification(ok, max(errors.values()), errors, worst, rtol, atol, exact is not None)
+  wide = widened_lowerings(pp, inputs, mesh) if missed and exact else None
+  if wide is not None:   # judged in float64, where Adam's epsilon swallows the rounding
+    missed = [name for name in missed if not _close(exact, wide[name], rtol, atol)]
+  return Verification(not missed, max(errors.values()), errors, worst, rtol, atol, bool(exact),
+                      wide is not None)
