@@ -226,6 +226,20 @@ def test_the_guarded_policy_answers_as_propose_does_with_micro_batches(capsys, t
   assert row["step_time_s"] == pytest.approx(proposed["cost"]["step_time_s"])
 
 
+def test_a_unit_leaves_no_task_contexts_behind():
+  """A process evaluating tasks one after another keeps each task's contexts (their cached
+  states) only while its agents play: kept, they grew the external suite's run past 22 GB.
+  The traced program stays shared with the next task of the same model."""
+  from environments.tasks import TASKS
+  from launch.evaluation import EvalTask, Unit, agent_version, parse_agent, run_unit
+  task = EvalTask("mlp:mini", "batch=2,model=4", "h100", "device")
+  agents = tuple((a, agent_version(parse_agent(a))) for a in ("expert", "greedy"))
+  rows = run_unit(Unit(task, agents, 8, 0))
+  assert [r["agent"] for r in rows] == ["expert", "greedy"]
+  assert all("error" not in r and r["step_time_s"] > 0 for r in rows)
+  assert len(TASKS.contexts) == 0 and len(TASKS.programs) > 0
+
+
 @pytest.mark.slow   # on the pinned stack only
 def test_the_ilp_meets_pipelines_where_the_step_has_a_scanned_stack():
   """Pipelines rewrite the program the environment is built on, so the ILP agent tries them
