@@ -67,16 +67,11 @@ def _lm(model, seq2seq=False):
 
 
 def _transformers():
-  """transformers, with Flax T5's and LongT5's `jnp.clip(a_max=...)` (gone in current JAX)
-  given `corpus.hf`'s shim (MT5 runs T5's module)."""
-  import inspect
-
+  """transformers, with Flax T5's, MT5's and LongT5's `jnp.clip(a_max=...)` (gone in current
+  JAX) given `corpus.hf`'s shim."""
   import transformers
-  from corpus.hf import _NumpyShim, _t5_on_this_jax
-  from transformers.models.longt5 import modeling_flax_longt5
+  from corpus.hf import _t5_on_this_jax
   _t5_on_this_jax()
-  if "a_max" not in inspect.signature(jnp.clip).parameters:
-    modeling_flax_longt5.jnp = _NumpyShim()
   return transformers
 
 

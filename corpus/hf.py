@@ -352,11 +352,13 @@ class _NumpyShim:
 
 @functools.cache
 def _t5_on_this_jax() -> None:
+  """Flax T5's module (MT5 runs it too) and LongT5's, given the shim where JAX needs it."""
   import inspect
 
+  from transformers.models.longt5 import modeling_flax_longt5
   from transformers.models.t5 import modeling_flax_t5
   if "a_max" not in inspect.signature(jnp.clip).parameters:
-    modeling_flax_t5.jnp = _NumpyShim()
+    modeling_flax_t5.jnp = modeling_flax_longt5.jnp = _NumpyShim()
 
 
 @functools.cache

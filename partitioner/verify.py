@@ -164,17 +164,18 @@ def exact_outputs(program, inputs) -> list | None:
       return None
 
 
-def widened_lowerings(pp, inputs, mesh) -> dict | None:
-  """Both lowerings of `pp` run in float64, every op widened as `exact_outputs` widens the
-  unpartitioned program: lowering name -> flat outputs; None where an op does not run so."""
+def widened_lowerings(pp, inputs, mesh, names=("shard_map", "jit")) -> dict | None:
+  """The lowerings `names` of `pp` run in float64, every op widened as `exact_outputs` widens
+  the unpartitioned program: lowering name -> flat outputs; None where an op does not run so."""
   from partitioner.compat import enable_x64
   from partitioner.ir import rewriting_binds
   program = pp.program
+  run = {"shard_map": lambda: jax.jit(pp.lower_spmd(mesh).flat),
+         "jit": lambda: pp.jit(mesh).wrapped}
   with enable_x64(), rewriting_binds(_widen):
     try:
       stored = program.store_inputs([_wide(jax.numpy.asarray(x)) for x in inputs])
-      return {"shard_map": program.load_outputs(list(jax.jit(pp.lower_spmd(mesh).flat)(*stored))),
-              "jit": program.load_outputs(list(pp.jit(mesh).wrapped(*stored)))}
+      return {name: program.load_outputs(list(run[name]()(*stored))) for name in names}
     except Exception:
       return None
 
@@ -241,7 +242,7 @@ def verify(pp, args, seed: int = 0, rtol: float = 1e-4, atol: float = 1e-4,
         missed.append(name)
     if err > worst_err or err != err:
       worst_err, worst = err, program.output_names[where] if where >= 0 else ""
-  wide = widened_lowerings(pp, inputs, mesh) if missed and exact else None
+  wide = widened_lowerings(pp, inputs, mesh, missed) if missed and exact else None
   if wide is not None:   # judged in float64, where Adam's epsilon swallows the rounding
     missed = [name for name in missed if not _close(exact, wide[name], rtol, atol)]
   return Verification(not missed, max(errors.values()), errors, worst, rtol, atol, bool(exact),

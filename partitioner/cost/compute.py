@@ -132,8 +132,9 @@ def _run_order(program: Program) -> list[int]:
   """The order ops run in: program order, reordered as XLA's scheduler does to overlap
   gradient reductions with the backward pass. Cheap backward ops (elementwise, shape, a
   reduction over unit dimensions) run just before their first reader, so a gradient's transpose
-  does not wait for its reduction inside the backward pass; and the optimizer update (ops downstream of optimizer state or writing only
-  updated state, that nothing else reads) runs last, in the order its gradients are ready.
+  does not wait for its reduction inside the backward pass; and the optimizer update (ops
+  downstream of optimizer state or writing only updated state, that nothing else reads) runs
+  last, in the order its gradients are ready.
   Nothing moves into or out of a loop's body."""
   ops, values, users = program.ops, program.values, program.users
   n = len(ops)

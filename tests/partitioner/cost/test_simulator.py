@@ -188,9 +188,8 @@ def _adam_step_of_biased_layers(add_bias):
 def test_a_reduction_over_unit_dimensions_is_a_bitcast_that_waits_with_the_update():
   """`x + b` (HF GPT-2's `Conv1D`, the corpus GPT) traces a vector bias's gradient as a sum over
   the batch, then a sum over the unit dimensions of the bias as broadcast, which XLA's
-  simplifier drops. Read as a kernel
-  right after the first sum, it held the bias gradient's all-reduce, and the bucket it combines
-  into, on the backward pass's critical path."""
+  simplifier drops. Read as a kernel right after the first sum, it held the bias gradient's
+  all-reduce, and the bucket it combines into, on the backward pass's critical path."""
   def unit_sum(x):
     return jnp.sum(jnp.sum(x, axis=(0, 1)).reshape(1, 1, -1), axis=(0, 1))
   hlo = jax.jit(unit_sum).lower(jnp.ones((4, 8, 16))).compile().as_text()
